@@ -1,0 +1,27 @@
+"""lightning_shard: fully sharded data parallel training as a PyTorch Lightning strategy.
+
+Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op"`` and
+``"shard_hybrid"`` with Lightning, so ``Trainer(strategy="shard")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_shard.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
+from lightning_shard.policies import CallableWrapPolicy, ModuleClassWrapPolicy, ShardingStrategy, SizeWrapPolicy
+from lightning_shard.strategy import ShardStrategy
+
+__version__ = "0.1.0"
+
+ShardStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "CallableWrapPolicy",
+    "MemoryReport",
+    "ModuleClassWrapPolicy",
+    "ReplicatedMemoryBytes",
+    "ShardMemoryBytes",
+    "ShardStrategy",
+    "ShardingStrategy",
+    "SizeWrapPolicy",
+    "__version__",
+]

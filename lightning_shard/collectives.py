@@ -1,0 +1,48 @@
+"""The collectives the engine uses, as plain functions with no hook logic.
+
+Each function takes the group to run on and calls ``torch.distributed`` through the module
+attribute (``dist.all_gather_single``), so a test can wrap those to count calls and bytes.
+The backend decides how a reduce-scatter is done: gloo's ``reduce_scatter`` is about twice as
+slow as its ``all_reduce`` on the same buffer, so on gloo the reduce-scatter is an all-reduce
+followed by taking this rank's chunk (same result, same summation as DDP's all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.profiler import record_function
+from torch.distributed import ProcessGroup
+
+
+def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup) -> None:
+    """Fill ``output`` (1D, ``group size * shard.numel()``) with every rank's ``shard``, rank-major."""
+    with record_function("lightning_shard::all_gather"):
+        dist.all_gather_single(output, shard, group=group)
+
+
+def reduce_scatter_sum(full: Tensor, group: ProcessGroup, group_rank: int) -> Tensor:
+    """Sum ``full`` (1D, ``group size`` equal chunks) over the group and return this rank's chunk as a new tensor.
+
+    ``full`` is clobbered on backends where the reduction runs in place.
+    """
+    group_size = dist.get_world_size(group)
+    with record_function("lightning_shard::reduce_scatter"):
+        if dist.get_backend(group) == "gloo":
+            dist.all_reduce(full, group=group)
+            return full.view(group_size, -1)[group_rank].clone()
+        out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
+        dist.reduce_scatter_single(out, full, group=group)
+        return out
+
+
+def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:
+    """Sum ``tensor`` in place over the group."""
+    with record_function("lightning_shard::all_reduce"):
+        dist.all_reduce(tensor, group=group)
+
+
+def broadcast_from_rank0(tensor: Tensor) -> None:
+    """Overwrite ``tensor`` on every rank with global rank 0's values."""
+    dist.broadcast(tensor, src=0)

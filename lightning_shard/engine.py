@@ -1,0 +1,295 @@
+"""Apply sharding to a module tree: pick the units, give every parameter to exactly one of them,
+initialise the shards, and own the per-iteration state that spans units.
+
+[Note: which unit owns a parameter]
+A parameter belongs to the innermost unit whose subtree holds it. A parameter held in two
+subtrees (tied weights: an embedding and the LM head; a module shared by two blocks) belongs to
+the lowest unit that contains both: it is stored once, gathered whenever that unit is, and its
+gradient from every use accumulates on one unsharded face before the single reduction. That
+unit's forward encloses every use, so the weight is gathered wherever it is needed.
+
+[Note: the root unit]
+The root is the module given to ``shard_module`` (under the strategy, the LightningModule). It is
+gathered before the step runs and, while training, stays gathered until the end of backward, as
+backward starts with it. Its gradients are reduced in a callback queued on the autograd engine at
+the first pre-backward hook, which also reduces any unit whose inputs needed no gradient (e.g. the
+first block after a frozen embedding). Modules that hold root parameters also gather the root on
+their own if they are called outside the root's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Variable
+
+from lightning_shard import collectives
+from lightning_shard.mesh import ShardMesh
+from lightning_shard.param_shard import ShardedParam
+from lightning_shard.policies import ShardingStrategy, WrapPolicy, select_unit_modules
+from lightning_shard.unit import BackwardState, ShardUnit
+
+_ENGINE_ATTR = "_lightning_shard_engine"
+
+
+class ShardedModule:
+    """The sharding engine of one module tree: its units, root-level hooks and end-of-backward callback."""
+
+    def __init__(self, root: nn.Module, units: list[ShardUnit], mesh: ShardMesh, strategy: ShardingStrategy) -> None:
+        self.root = root
+        self.units = units  # module order: root first
+        self.mesh = mesh
+        self.sharding_strategy = strategy
+        self._callback_queued = False
+        for unit in units:
+            unit.on_first_pre_backward = self._queue_end_of_backward
+        setattr(root, _ENGINE_ATTR, self)
+
+    @property
+    def root_unit(self) -> ShardUnit:
+        return self.units[0]
+
+    def sharded_params(self) -> Iterator[ShardedParam]:
+        for unit in self.units:
+            yield from unit.params
+
+    # Runtime #
+
+    def _queue_end_of_backward(self) -> None:
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Reduce what no post-backward node reduced (root, units with grad-free inputs), deepest units first."""
+        self._callback_queued = False
+        for unit in reversed(self.units):
+            unit.post_backward()
+
+    def discard_pending(self) -> None:
+        """Drop gradients of a forward that never got a backward (called before the next step starts)."""
+        for unit in self.units:
+            if unit.backward_state is BackwardState.PENDING:
+                for p in unit.trainable:
+                    p.unsharded.grad = None
+                unit.backward_state = BackwardState.IDLE
+            unit.reshard()
+
+    def reshard_all(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    # Full tensors #
+
+    def gather_full(self, p: ShardedParam, local: Tensor) -> Tensor:
+        """Assemble the full tensor from every rank's rows of ``local`` (shaped like ``p.sharded``). Collective."""
+        if self.mesh.shard_group is None and self.mesh.shard_size == 1:
+            return local.detach().reshape(p.global_shape).clone()
+        padded = torch.zeros(p.rows_per_rank, *p.row_shape, dtype=local.dtype, device=local.device)
+        padded[: p.local_rows].copy_(local.detach().reshape(p.local_rows, *p.row_shape))
+        out = torch.empty(self.mesh.shard_size * p.rows_per_rank, *p.row_shape, dtype=local.dtype, device=local.device)
+        collectives.all_gather_flat(out.view(-1), padded.view(-1), self.mesh.shard_group)
+        return out[: p.rows].reshape(p.global_shape)
+
+
+def shard_module(
+    root: nn.Module,
+    mesh: ShardMesh,
+    strategy: ShardingStrategy,
+    policy: WrapPolicy | None,
+    device: torch.device,
+) -> ShardedModule:
+    """Shard ``root`` in place: afterwards its parameters are this rank's shards and forward gathers them."""
+    existing = getattr(root, _ENGINE_ATTR, None)
+    if existing is not None:
+        return existing
+    unit_modules = [("", root), *select_unit_modules(root, policy)]
+    uses, params_by_id = _collect_parameters(root, {id(m) for _, m in unit_modules})
+    parent_unit = _unit_parents(root, {id(m) for _, m in unit_modules})
+    assignment: dict[int, list[ShardedParam]] = {id(m): [] for _, m in unit_modules}
+    meta_modules: dict[int, list[nn.Module]] = {id(m): [] for _, m in unit_modules}
+    full: dict[int, Tensor] = {}
+    for pid, use in uses.items():
+        unit_id = _lowest_common_unit(sorted(use.unit_ids), parent_unit)
+        param = params_by_id[pid]
+        sp = ShardedParam(
+            fqns=use.fqns,
+            owners=use.owners,
+            global_shape=param.shape,
+            dtype=param.dtype,
+            requires_grad=param.requires_grad,
+            shard_size=mesh.shard_size,
+            shard_rank=mesh.shard_rank,
+        )
+        assignment[unit_id].append(sp)
+        full[id(sp)] = param
+    for unit_id, sps in assignment.items():
+        for sp in sps:
+            for m, _ in sp.owners:
+                if full[id(sp)].is_meta and all(m is not x for x in meta_modules[unit_id]):
+                    meta_modules[unit_id].append(m)
+    _check_meta_modules_resettable(root, meta_modules)
+
+    reshard = strategy.reshards_after_forward
+    units: list[ShardUnit] = []
+    for name, module in unit_modules:
+        sps = assignment[id(module)]
+        unit = ShardUnit(name, module, sps, mesh, device, reshard_after_forward=reshard and module is not root)
+        if any(full[id(sp)].is_meta for sp in sps):
+            unit.init_from_reset_parameters(meta_modules[id(module)], device)
+        else:
+            unit.init_from_full(full)
+        units.append(unit)
+    full.clear()
+    _materialize_and_sync_buffers(root, device)
+    engine = ShardedModule(root, units, mesh, strategy)
+    _register_hooks(engine)
+    return engine
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _collect_parameters(root: nn.Module, unit_ids: set[int]) -> tuple[dict[int, _ParamUse], dict[int, nn.Parameter]]:
+    """For every parameter: the units whose subtrees hold it and each (module, attribute, name) holding it.
+
+    Walks without de-duplication, so a module or parameter reachable by two paths is seen in both
+    units' subtrees (see [Note: which unit owns a parameter]).
+    """
+    uses: dict[int, _ParamUse] = {}
+    params: dict[int, nn.Parameter] = {}
+
+    def visit(module: nn.Module, prefix: str, unit_id: int, path: tuple[int, ...]) -> None:
+        if id(module) in unit_ids:
+            unit_id = id(module)
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            params[id(p)] = p
+            use = uses.setdefault(id(p), _ParamUse())
+            use.unit_ids.add(unit_id)
+            if prefix + name not in use.fqns:
+                use.fqns.append(prefix + name)
+            if not any(m is module and n == name for m, n in use.owners):
+                use.owners.append((module, name))
+        for child_name, child in module._modules.items():
+            if child is not None and id(child) not in path:
+                visit(child, f"{prefix}{child_name}.", unit_id, (*path, id(child)))
+
+    visit(root, "", id(root), (id(root),))
+    return uses, params
+
+
+@dataclass
+class _ParamUse:
+    fqns: list[str] = field(default_factory=list)
+    unit_ids: set[int] = field(default_factory=set)
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+def _unit_parents(root: nn.Module, unit_ids: set[int]) -> dict[int, int | None]:
+    """Parent unit of each unit (by module id); the root's is None."""
+    parents: dict[int, int | None] = {id(root): None}
+
+    def visit(module: nn.Module, enclosing: int) -> None:
+        for child in module.children():
+            if id(child) in unit_ids and id(child) not in parents:
+                parents[id(child)] = enclosing
+                visit(child, id(child))
+            else:
+                visit(child, enclosing)
+
+    visit(root, id(root))
+    return parents
+
+
+def _lowest_common_unit(unit_ids: list[int], parents: dict[int, int | None]) -> int:
+    def chain(u: int) -> list[int]:
+        out = [u]
+        while (p := parents.get(out[-1])) is not None:
+            out.append(p)
+        return out
+
+    common = chain(unit_ids[0])
+    for u in unit_ids[1:]:
+        ancestors = set(chain(u))
+        common = [c for c in common if c in ancestors]
+    return common[0]
+
+
+def _check_meta_modules_resettable(root: nn.Module, meta_modules: dict[int, list[nn.Module]]) -> None:
+    names = {id(m): n or "<root>" for n, m in root.named_modules()}
+    missing = [
+        f"{names.get(id(m), '?')} ({type(m).__name__})"
+        for mods in meta_modules.values()
+        for m in mods
+        if not callable(getattr(m, "reset_parameters", None))
+    ]
+    if missing:
+        raise TypeError(
+            "These modules have parameters on the meta device but no reset_parameters() method: "
+            + ", ".join(missing)
+            + ". ShardStrategy materialises a meta-device model one unit at a time and initialises it by calling"
+            " reset_parameters() on each module that owns parameters: define it on these modules."
+        )
+
+
+def _materialize_and_sync_buffers(root: nn.Module, device: torch.device) -> None:
+    """Move buffers to ``device`` and make every rank hold rank 0's values."""
+    seen: set[int] = set()
+    for module in root.modules():
+        for name, buf in module._buffers.items():
+            if buf is None or id(buf) in seen:
+                continue
+            if buf.is_meta:
+                raise TypeError(
+                    f"Buffer {name!r} of {type(module).__name__} is still on the meta device after"
+                    f" reset_parameters(); initialise it there, or create it on a real device."
+                )
+            if buf.device != device:
+                buf = buf.to(device)
+                module._buffers[name] = buf
+            seen.add(id(buf))
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                collectives.broadcast_from_rank0(buf)
+
+
+def _register_hooks(engine: ShardedModule) -> None:
+    root_unit = engine.root_unit
+    for unit in engine.units:
+        if unit is root_unit:
+            unit.module.register_forward_pre_hook(_root_pre_forward(engine), with_kwargs=True, prepend=True)
+        else:
+            unit.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        unit.module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    owners = {id(m): m for p in root_unit.params for m, _ in p.owners if m is not root_unit.module}
+    for module in owners.values():
+        module.register_forward_pre_hook(_gather_root_if_needed(root_unit))
+
+
+def _root_pre_forward(engine: ShardedModule):  # noqa: ANN202
+    root_unit = engine.root_unit
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if root_unit._forward_depth == 0 and not engine._callback_queued:
+            engine.discard_pending()
+        return root_unit.pre_forward(module, args, kwargs)
+
+    return hook
+
+
+def _gather_root_if_needed(root_unit: ShardUnit):  # noqa: ANN202
+    def hook(module: nn.Module, args: tuple) -> None:
+        if root_unit.is_sharded:
+            root_unit.unshard()
+            root_unit.expose_unsharded()
+            if torch.is_grad_enabled():
+                root_unit.backward_state = BackwardState.PENDING
+
+    return hook

@@ -1,0 +1,121 @@
+"""One parameter's sharded state: which rows this rank holds, and its two faces.
+
+A parameter of global shape ``(rows, *row_shape)`` is split along dim 0 into ``shard_size``
+chunks of ``rows_per_rank = ceil(rows / shard_size)`` rows; the last chunks are padded (a rank
+may hold zero real rows when there are fewer rows than ranks). A 0-dim parameter is one row.
+
+- The **sharded** face is an ordinary ``nn.Parameter`` of shape ``(local_rows, *row_shape)``: a
+  view into the unit's flat sharded buffer. It is what the module holds between steps, what
+  ``named_parameters()`` returns and what the optimizer updates in place, so optimizer state is
+  sharded too.
+- The **unsharded** face is an ``nn.Parameter`` of the global shape, a view into the unit's flat
+  unsharded buffer. The module holds it during forward; autograd accumulates its gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class ShardedParam:
+    """Bookkeeping for one parameter inside a unit (see the module docstring for the two faces)."""
+
+    fqns: list[str]  # qualified names under the root, e.g. ["model.wte.weight", "model.lm_head.weight"] when tied
+    owners: list[tuple[nn.Module, str]]  # every (module, attribute) that holds this parameter (tied weights: several)
+    global_shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+    shard_size: int
+    shard_rank: int
+    sharded_offset: int = 0  # element offset of this parameter's padded chunk in the unit's flat sharded buffer
+    sharded: nn.Parameter = field(init=False, repr=False)
+    unsharded: nn.Parameter = field(init=False, repr=False)
+
+    @property
+    def fqn(self) -> str:
+        """The first name under which the parameter appears (``named_parameters()`` order)."""
+        return self.fqns[0]
+
+    # Geometry #
+
+    @property
+    def rows(self) -> int:
+        return self.global_shape[0] if len(self.global_shape) > 0 else 1
+
+    @property
+    def row_shape(self) -> torch.Size:
+        return self.global_shape[1:]
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.row_shape)
+
+    @property
+    def rows_per_rank(self) -> int:
+        return math.ceil(self.rows / self.shard_size)
+
+    @property
+    def padded_shard_numel(self) -> int:
+        """Elements of one rank's chunk, padding included: the stride between ranks in collectives."""
+        return self.rows_per_rank * self.row_numel
+
+    @property
+    def first_row(self) -> int:
+        return self.shard_rank * self.rows_per_rank
+
+    @property
+    def local_rows(self) -> int:
+        """Real (unpadded) rows this rank holds; 0 when there are fewer rows than ranks."""
+        return max(0, min(self.rows_per_rank, self.rows - self.first_row))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    # Faces #
+
+    def bind_sharded(self, flat_sharded: Tensor) -> None:
+        """Create the sharded ``nn.Parameter`` as a view of this parameter's chunk of ``flat_sharded``."""
+        start = self.sharded_offset
+        view = flat_sharded[start : start + self.local_rows * self.row_numel].view(self.local_rows, *self.row_shape)
+        self.sharded = nn.Parameter(view, requires_grad=self.requires_grad)
+
+    def bind_unsharded(self, flat_unsharded: Tensor) -> None:
+        """Create the unsharded ``nn.Parameter`` as a view of this parameter's padded region of ``flat_unsharded``."""
+        self.unsharded = nn.Parameter(self.padded_unsharded_view(flat_unsharded)[: self.rows].view(self.global_shape))
+        self.unsharded.requires_grad_(self.requires_grad)
+
+    def padded_unsharded_view(self, flat_unsharded: Tensor) -> Tensor:
+        """``(shard_size * rows_per_rank, *row_shape)`` region of the param-major unsharded buffer."""
+        start = self.sharded_offset * self.shard_size
+        region = flat_unsharded[start : start + self.padded_shard_numel * self.shard_size]
+        return region.view(self.shard_size * self.rows_per_rank, *self.row_shape)
+
+    def copy_rows_from_full(self, full: Tensor) -> None:
+        """Copy this rank's rows of the full tensor ``full`` into the sharded face."""
+        if self.local_rows == 0:
+            return
+        rows = full.reshape(self.rows, *self.row_shape)[self.first_row : self.first_row + self.local_rows]
+        with torch.no_grad():
+            self.sharded.copy_(rows)
+
+    def grad_rows(self, full_grad: Tensor | None) -> Tensor:
+        """``full_grad`` as ``(rows, row_numel)`` for chunking, or zeros when the parameter got no gradient."""
+        if full_grad is None:
+            return torch.zeros(self.rows, self.row_numel, dtype=self.dtype, device=self.sharded.device)
+        return full_grad.reshape(self.rows, self.row_numel)
+
+    # Module attributes #
+
+    def expose_unsharded(self) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = self.unsharded
+
+    def expose_sharded(self) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = self.sharded

@@ -1,0 +1,171 @@
+"""User-facing policies: which sharding strategy runs, and which modules become sharding units.
+
+Everything here is a small frozen value, resolved once when the strategy is built, so that a bad
+value fails on every rank before any process group work starts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+
+
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer state are split across ranks.
+
+    - ``FULL_SHARD`` (ZeRO-3): everything sharded; a unit's weights are gathered for its forward,
+      freed after it, and gathered again for its backward.
+    - ``SHARD_GRAD_OP`` (ZeRO-2): like ``FULL_SHARD`` but a unit's weights stay gathered from its
+      forward to its backward (one all-gather per unit per step, more memory).
+    - ``NO_SHARD``: replicated, gradients all-reduced (DDP).
+    - ``HYBRID_SHARD``: ``FULL_SHARD`` inside groups of ``shard_size`` ranks, replicated across
+      ``replicas`` groups (``device_mesh=(replicas, shard_size)``).
+    """
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+
+    @classmethod
+    def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
+        """Accept the enum or its name in any case; anything else raises ``ValueError`` naming the valid values."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        valid = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"Unknown sharding_strategy {value!r}. Valid values are: {valid}.")
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether a unit's gathered weights are freed right after its forward (and gathered again for backward)."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+# --------------------------------------------------------------------------------------------------
+# Wrap policies
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModuleClassWrapPolicy:
+    """Every module whose class is one of ``classes`` (a class, or a class name such as ``"GPT2Block"``)."""
+
+    classes: frozenset[type[nn.Module] | str]
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        cls = type(module)
+        return cls in self.classes or cls.__name__ in self.classes or cls.__qualname__ in self.classes
+
+    def check_matches(self, root: nn.Module) -> None:
+        """Raise ``ValueError`` for any class or name that matches no module of ``root``."""
+        present = {type(m) for m in root.modules()}
+        names = {c.__name__ for c in present} | {c.__qualname__ for c in present}
+        missing = [c for c in self.classes if (c not in present if isinstance(c, type) else c not in names)]
+        if missing:
+            shown = ", ".join(sorted(_class_label(c) for c in missing))
+            available = ", ".join(sorted({c.__name__ for c in present}))
+            raise ValueError(
+                f"auto_wrap_policy names {shown}, but no module of the model has that class."
+                f" Module classes present: {available}."
+            )
+
+
+@dataclass(frozen=True)
+class CallableWrapPolicy:
+    """Every module for which ``fn(module, qualified_name)`` returns True."""
+
+    fn: Callable[[nn.Module, str], bool]
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return bool(self.fn(module, name))
+
+
+@dataclass(frozen=True)
+class SizeWrapPolicy:
+    """Bottom-up: a module becomes a unit once the parameters it holds outside nested units reach ``min_num_params``."""
+
+    min_num_params: int
+
+    def __post_init__(self) -> None:
+        if self.min_num_params < 1:
+            raise ValueError(f"auto_wrap_policy as a parameter count must be >= 1, got {self.min_num_params}.")
+
+
+WrapPolicy = ModuleClassWrapPolicy | CallableWrapPolicy | SizeWrapPolicy
+WrapPolicySpec = (
+    list[str]
+    | set[str]
+    | set[type[nn.Module]]
+    | list[type[nn.Module]]
+    | str
+    | type[nn.Module]
+    | int
+    | Callable[[nn.Module, str], bool]
+    | WrapPolicy
+    | None
+)
+
+
+def resolve_wrap_policy(spec: WrapPolicySpec) -> WrapPolicy | None:
+    """Turn what a user passed as ``auto_wrap_policy`` into a policy object (``None``: the root is the only unit)."""
+    if spec is None or isinstance(spec, (ModuleClassWrapPolicy, CallableWrapPolicy, SizeWrapPolicy)):
+        return spec
+    if isinstance(spec, bool):
+        raise TypeError("auto_wrap_policy must be module classes, class names, a callable or an int, not a bool.")
+    if isinstance(spec, int):
+        return SizeWrapPolicy(spec)
+    if isinstance(spec, (str, type)):
+        return ModuleClassWrapPolicy(frozenset([spec]))
+    if callable(spec):
+        return CallableWrapPolicy(spec)
+    if isinstance(spec, Iterable):
+        items = list(spec)
+        bad = [x for x in items if not (isinstance(x, str) or (isinstance(x, type) and issubclass(x, nn.Module)))]
+        if bad:
+            raise TypeError(f"auto_wrap_policy entries must be nn.Module classes or class names, got {bad!r}.")
+        return ModuleClassWrapPolicy(frozenset(items))
+    raise TypeError(
+        f"auto_wrap_policy must be a set of module classes or class names, a callable (module, name) -> bool,"
+        f" or an int minimum parameter count; got {type(spec).__name__}."
+    )
+
+
+def select_unit_modules(root: nn.Module, policy: WrapPolicy | None) -> list[tuple[str, nn.Module]]:
+    """The modules below ``root`` that become sharding units, in module order (the root itself is always one)."""
+    if policy is None:
+        return []
+    if isinstance(policy, ModuleClassWrapPolicy):
+        policy.check_matches(root)
+    if isinstance(policy, SizeWrapPolicy):
+        return _select_by_size(root, policy.min_num_params)
+    return [(name, m) for name, m in root.named_modules() if m is not root and policy(m, name)]
+
+
+def _select_by_size(root: nn.Module, min_num_params: int) -> list[tuple[str, nn.Module]]:
+    selected: list[tuple[str, nn.Module]] = []
+
+    def visit(module: nn.Module, name: str) -> int:
+        """Parameters under ``module`` not yet claimed by a selected descendant."""
+        remaining = sum(p.numel() for p in module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            remaining += visit(child, f"{name}.{child_name}" if name else child_name)
+        if module is not root and remaining >= min_num_params:
+            selected.append((name, module))
+            return 0
+        return remaining
+
+    visit(root, "")
+    order = {id(m): i for i, m in enumerate(root.modules())}
+    return sorted(selected, key=lambda item: order[id(item[1])])
+
+
+def _class_label(c: type | str) -> str:
+    return c if isinstance(c, str) else c.__name__

@@ -1,0 +1,327 @@
+"""``ShardStrategy``: the Lightning side. It sets up processes and the mesh, hands the model to the
+engine, and routes Lightning's hooks to it; the sharding itself lives in ``engine``/``unit``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_shard.engine import ShardedModule, shard_module
+from lightning_shard.memory import MemoryReport, memory_report
+from lightning_shard.mesh import ShardMesh, build_shard_mesh, mesh_shape
+from lightning_shard.policies import ShardingStrategy, ShardingStrategyName, WrapPolicySpec, resolve_wrap_policy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.accelerators import Accelerator
+
+log = logging.getLogger(__name__)
+
+
+class ShardStrategy(ParallelStrategy):
+    """Fully sharded data parallel training (ZeRO-3) on ``torch.distributed``: gloo on CPU, NCCL on GPU.
+
+    Each rank holds ``1/N`` of every parameter, gradient and optimizer state. The optimizer sees this
+    rank's rows of each parameter as ordinary ``nn.Parameter``s under their original names, so any
+    ``torch.optim`` optimizer and parameter groups built by name work unchanged.
+
+    Args:
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"`` or ``"HYBRID_SHARD"``.
+        auto_wrap_policy: which modules become sharding units (gathered and reduced together): a set of module
+            classes or class names (``{"GPT2Block"}``), a callable ``(module, name) -> bool``, or an int minimum
+            parameter count. The root holds whatever no unit claims. ``None``: the whole model is one unit.
+        device_mesh: ``(replicas, shard_size)`` for ``"HYBRID_SHARD"``: shard inside groups of ``shard_size``
+            ranks, replicate across ``replicas`` groups. Default for ``"HYBRID_SHARD"``: ``(num_nodes, devices)``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
+        timeout: timeout of the process group's collectives.
+    """
+
+    strategy_name = "shard"
+    _registered_strategies: list[str] = []
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        auto_wrap_policy: WrapPolicySpec = None,
+        sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
+        device_mesh: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
+        self._wrap_policy = resolve_wrap_policy(auto_wrap_policy)
+        self._device_mesh = tuple(device_mesh) if device_mesh is not None else None
+        self._mesh: ShardMesh | None = None
+        self._engine: ShardedModule | None = None
+        self._owns_process_group = False
+
+    # Properties #
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells the Trainer to give dataloaders a ``DistributedSampler``."""
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def mesh(self) -> ShardMesh:
+        """This rank's place in the ``(replicas, shard_size)`` mesh; available after the processes are set up."""
+        if self._mesh is None:
+            raise RuntimeError("The ShardStrategy mesh exists only after the Trainer has set up the processes.")
+        return self._mesh
+
+    @property
+    def engine(self) -> ShardedModule:
+        """The sharding engine of the model; available once the Trainer has set the model up."""
+        if self._engine is None:
+            raise RuntimeError("The model is sharded when the Trainer sets it up (in fit/validate/test/predict).")
+        return self._engine
+
+    # Environment #
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self.sharding_strategy is ShardingStrategy.HYBRID_SHARD and self._device_mesh is None:
+            self._device_mesh = (self.num_nodes, self.num_processes)  # shard inside a node, replicate across nodes
+        # Validate the mesh on every rank before any collective, so a bad value cannot hang the others.
+        mesh_shape(self.sharding_strategy, self.num_nodes * self.num_processes, self._device_mesh)
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        self._owns_process_group = not _distributed_is_initialized()
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._mesh = build_shard_mesh(self.sharding_strategy, self._device_mesh, self._process_group_backend)
+        if self._engine is not None:  # a later stage of the same Trainer: new groups, same shards
+            self._engine.mesh.shard_group = self._mesh.shard_group
+            self._engine.mesh.replicate_group = self._mesh.replicate_group
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # Model #
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self._setup_model(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Shard ``model`` in place (the LightningModule is the root unit); it stays the same object."""
+        self._engine = shard_module(model, self.mesh, self.sharding_strategy, self._wrap_policy, self.root_device)
+        _move_param_free_modules(model, self.root_device)
+        return model
+
+    @override
+    def model_to_device(self) -> None:
+        """Deliberately nothing: the engine moves each shard to the device as it creates it."""
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        empty_init_context = torch.device("meta") if empty_init else nullcontext()
+        with empty_init_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Deliberately nothing: modules created on the meta device in ``configure_model`` are materialised and
+        initialised (``reset_parameters()``) one unit at a time when the engine shards them."""
+        yield
+
+    # Steps: always go through the root's forward hooks (see [Note: the root unit]) #
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._run_step("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._run_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._run_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._run_step("predict_step", args, kwargs)
+
+    def _run_step(self, method: str, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        assert self.lightning_module is not None
+        return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
+
+    # Collectives #
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce ``tensor`` over all ranks (mean by default); non-tensors are returned unchanged."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # Reporting #
+
+    def memory_report(self) -> MemoryReport:
+        """This rank's bytes of sharded parameters, gradients and optimizer state, and what full replication takes."""
+        return memory_report(self.engine, self.optimizers, self.global_rank)
+
+    # Teardown #
+
+    @override
+    def teardown(self) -> None:
+        log.debug(f"{type(self).__name__}: tearing down")
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        if self._engine is not None:
+            self._engine.reshard_all()
+        if self._mesh is not None:
+            self._mesh.destroy()
+        if self._owns_process_group and _distributed_is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # Registry #
+
+    @classmethod
+    def get_registered_strategies(cls) -> list[str]:
+        return cls._registered_strategies
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if not dist.is_available():
+            return
+        entries = {
+            "shard": ("Fully sharded data parallel (ZeRO-3) on CPU or GPU", "FULL_SHARD"),
+            "shard_grad_op": ("Sharded gradients and optimizer state (ZeRO-2)", "SHARD_GRAD_OP"),
+            "shard_hybrid": ("Sharded within groups, replicated across them", "HYBRID_SHARD"),
+        }
+        for name, (description, sharding) in entries.items():
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=description, sharding_strategy=sharding)
+            cls._registered_strategies.append(name)
+
+
+def _move_param_free_modules(model: nn.Module, device: torch.device) -> None:
+    """Move modules without parameters of their own (torchmetrics metrics, buffer-only modules) to ``device``."""
+    if device.type == "cpu":
+        return
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is None and module is not model:
+            module._apply(lambda t: t.to(device) if t.device != device else t, recurse=False)

@@ -1,0 +1,49 @@
+"""Fits run inside the rank workers: the same model and data under ShardStrategy, DDP and fully_shard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_shard import ShardStrategy
+from tests.models import LitModel, block_class, loader
+
+
+def trainer_for(strategy: Any, world_size: int, steps: int, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def full_params_shard(module: LitModel, strategy: ShardStrategy) -> dict[str, torch.Tensor]:
+    engine = strategy.engine
+    return {fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params() for fqn in p.fqns}
+
+
+def fit_shard(rank: int, world_size: int, kind: str, steps: int = 10, **strategy_kwargs: Any) -> dict:
+    L.seed_everything(0)
+    module = LitModel(kind)
+    strategy = ShardStrategy(auto_wrap_policy={block_class(kind)}, **strategy_kwargs)
+    trainer = trainer_for(strategy, world_size, steps)
+    trainer.fit(module, train_dataloaders=loader(kind))
+    return {"losses": module.losses, "params": full_params_shard(module, strategy)}
+
+
+def fit_ddp(rank: int, world_size: int, kind: str, steps: int = 10) -> dict:
+    L.seed_everything(0)
+    module = LitModel(kind)
+    trainer = trainer_for(DDPStrategy(), world_size, steps)
+    trainer.fit(module, train_dataloaders=loader(kind))
+    params = {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False)}
+    return {"losses": module.losses, "params": params}
