@@ -15,6 +15,11 @@ backward starts with it. Its gradients are reduced in a callback queued on the a
 the first pre-backward hook, which also reduces any unit whose inputs needed no gradient (e.g. the
 first block after a frozen embedding). Modules that hold root parameters also gather the root on
 their own if they are called outside the root's forward.
+
+[Note: the last unit of forward stays gathered]
+Under FULL_SHARD the unit that ran last in forward is the first one backward needs. Its reshard is
+deferred until another unit starts its forward, so when forward ends it is still gathered and
+backward uses it without a second all-gather. At most one unit beyond the running one is gathered.
 """
 
 from __future__ import annotations
@@ -44,8 +49,11 @@ class ShardedModule:
         self.mesh = mesh
         self.sharding_strategy = strategy
         self._callback_queued = False
+        self._deferred_reshard: ShardUnit | None = None  # see [Note: the last unit of forward stays gathered]
         for unit in units:
             unit.on_first_pre_backward = self._queue_end_of_backward
+            unit.on_pre_forward = self._reshard_deferred
+            unit.on_reshard_after_forward = self._defer_reshard
         setattr(root, _ENGINE_ATTR, self)
 
     @property
@@ -58,6 +66,16 @@ class ShardedModule:
 
     # Runtime #
 
+    def _defer_reshard(self, unit: ShardUnit) -> None:
+        self._reshard_deferred(unit)
+        self._deferred_reshard = unit
+
+    def _reshard_deferred(self, starting: ShardUnit) -> None:
+        deferred = self._deferred_reshard
+        if deferred is not None and deferred is not starting:
+            self._deferred_reshard = None
+            deferred.reshard()
+
     def _queue_end_of_backward(self) -> None:
         if self._callback_queued:
             return
@@ -67,11 +85,13 @@ class ShardedModule:
     def _end_of_backward(self) -> None:
         """Reduce what no post-backward node reduced (root, units with grad-free inputs), deepest units first."""
         self._callback_queued = False
+        self._deferred_reshard = None
         for unit in reversed(self.units):
             unit.post_backward()
 
     def discard_pending(self) -> None:
         """Drop gradients of a forward that never got a backward (called before the next step starts)."""
+        self._deferred_reshard = None
         for unit in self.units:
             if unit.backward_state is BackwardState.PENDING:
                 for p in unit.trainable:

@@ -100,6 +100,8 @@ class ShardUnit:
         self.backward_state = BackwardState.IDLE
         self._forward_depth = 0
         self.on_first_pre_backward: Callable[[], None] = lambda: None  # set by the engine
+        self.on_pre_forward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
+        self.on_reshard_after_forward: Callable[[ShardUnit], None] = ShardUnit.reshard  # the engine may defer it
 
     @property
     def gathers(self) -> bool:
@@ -195,6 +197,7 @@ class ShardUnit:
         self._forward_depth += 1
         if self._forward_depth > 1:  # re-entered (a nested call of the same module): already set up
             return args, kwargs
+        self.on_pre_forward(self)
         self.unshard()
         self.expose_unsharded()
         if torch.is_grad_enabled() and self.trainable:
@@ -211,7 +214,7 @@ class ShardUnit:
             for t in output_tensors:
                 t.register_hook(self._pre_backward)
             if self.reshard_after_forward:
-                self.reshard()
+                self.on_reshard_after_forward(self)
         else:
             self.reshard()  # no backward will come through this forward
         return output

@@ -8,6 +8,7 @@ and then to the network; per-step losses and final full parameters must agree on
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import lightning as L
 import pytest
@@ -32,22 +33,27 @@ def fit_fully_shard(rank: int, world_size: int, kind: str, steps: int = 10) -> d
     fully_shard(module.model, mesh=mesh)  # the root last: it takes what no block claims (the tied wte/lm_head)
     optimizer = module.configure_optimizers()
 
+    # The Trainer replaces the loader's sampler with a DistributedSampler that always shuffles a training
+    # loader (even one built with shuffle=False), seeded with the global seed and re-seeded each epoch.
     dataset = make_dataset(kind)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     data = DataLoader(dataset, batch_size=4, sampler=sampler)
-    # The Trainer runs as many epochs as ``steps`` needs; without shuffling each epoch repeats the same batches.
-    batches = itertools.chain.from_iterable(itertools.repeat(data))
     module.train()
-    for i, batch in zip(range(steps), batches):
+    for i, batch in zip(range(steps), _epochs(data, sampler)):
         loss = module.training_step(batch, i)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
-    params = {
-        name: p.full_tensor().detach().clone() for name, p in module.named_parameters(remove_duplicate=False)
-    }
+    params = {name: p.full_tensor().detach().clone() for name, p in module.named_parameters(remove_duplicate=False)}
     return {"losses": module.losses, "params": params}
+
+
+def _epochs(data: DataLoader, sampler: DistributedSampler) -> Iterator:
+    """The batches of epoch 0, 1, 2, ... as the Trainer draws them (``set_epoch`` before each)."""
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from data
 
 
 def check_same_fit(a: dict, b: dict) -> None:
@@ -65,6 +71,12 @@ def test_shard_strategy_matches_fully_shard(kind: str, world_size: int) -> None:
     for rank, (a, b) in enumerate(zip(ours, reference)):
         assert len(a["losses"]) == 10, f"rank {rank}"
         check_same_fit(a, b)
+    if kind == "gpt":  # the frozen parameters kept their initial values under both
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            init = dict(LitModel(kind).named_parameters())
+        for name in ("model.wpe.weight", "model.blocks.0.qkv.weight"):
+            torch.testing.assert_close(reference[0]["params"][name], init[name].detach(), rtol=0, atol=0)
 
 
 def check_fully_shard_layout(rank: int, world_size: int) -> dict:

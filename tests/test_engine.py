@@ -1,0 +1,284 @@
+"""The engine without Lightning: geometry of shards, tied and frozen weights, unused parameters,
+several forwards before one backward, no_grad forwards, meta-device init, collective counts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_shard.engine import shard_module
+from lightning_shard.mesh import build_shard_mesh
+from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard.testing import run_on_ranks
+from lightning_shard.unit import UnitState
+
+
+class Odd(nn.Module):
+    """Parameters of awkward shapes: fewer rows than ranks, 0-dim, 3-D, one row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.few_rows = nn.Parameter(torch.randn(3, 5))
+        self.scalar = nn.Parameter(torch.tensor(0.7))
+        self.cube = nn.Parameter(torch.randn(6, 2, 3))
+        self.one = nn.Parameter(torch.randn(1))
+        self.unused = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, 5)
+        h = x @ self.few_rows.t() * self.scalar + self.one  # (B, 3)
+        return h.sum(-1, keepdim=True) * self.cube.sum()
+
+
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.odd = Odd()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.odd(self.lin(x))
+
+
+def _shard(model: nn.Module, strategy: str = "FULL_SHARD", policy: object = None):  # noqa: ANN202
+    mesh = build_shard_mesh(ShardingStrategy.parse(strategy), None)
+    return shard_module(model, mesh, ShardingStrategy.parse(strategy), resolve_wrap_policy(policy), torch.device("cpu"))
+
+
+def _reference_grads(model: nn.Module, x: Tensor, world_size: int) -> dict[str, Tensor]:
+    """DDP's gradients: the mean over ranks of each rank's local gradient."""
+    out = model(x).square().mean()
+    names = [n for n, _ in model.named_parameters()]
+    grads = torch.autograd.grad(out, list(model.parameters()), allow_unused=True)
+    return dict(zip(names, _ddp_average([g for g in grads], world_size)))
+
+
+def _ddp_average(grads: list[Tensor | None], world_size: int) -> list[Tensor | None]:
+    averaged = []
+    for g in grads:
+        if g is not None:
+            g = g.clone()  # autograd may hand out expanded (overlapping) gradients
+            dist.all_reduce(g)
+            g.div_(world_size)
+        averaged.append(g)
+    return averaged
+
+
+def odd_shapes_roundtrip(rank: int, world_size: int, strategy: str) -> None:
+    torch.manual_seed(0)
+    reference = Wrapper()
+    model = Wrapper()
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+    expected_grads = _reference_grads(reference, x, world_size)
+    engine = _shard(model, strategy, {Odd})
+    for p in engine.sharded_params():
+        full = dict(reference.named_parameters())[p.fqn]
+        assert p.sharded.shape[1:] == full.shape[1:] if full.dim() > 0 else p.sharded.dim() == 1
+        torch.testing.assert_close(engine.gather_full(p, p.sharded), full.detach())
+        got_rows = p.sharded.shape[0] if full.dim() > 0 else p.sharded.numel()
+        assert got_rows == p.local_rows
+    expected_rows = {2: {"odd.few_rows": [2, 1], "odd.one": [1, 0]}, 4: {"odd.few_rows": [1, 1, 1, 0]}}
+    for name, rows in expected_rows.get(world_size, {}).items():
+        if strategy == "FULL_SHARD":
+            assert dict(model.named_parameters())[name].shape[0] == rows[rank], name
+    model(x).square().mean().backward()
+    for p in engine.sharded_params():
+        expected = expected_grads[p.fqn]
+        if expected is None:
+            assert p.sharded.grad is None, f"{p.fqn} unused on every rank keeps grad None, as with DDP"
+            continue
+        full_grad = engine.gather_full(p, p.sharded.grad)
+        torch.testing.assert_close(full_grad, expected, msg=p.fqn)
+    assert all(u.state is UnitState.SHARDED for u in engine.units)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_odd_shapes_shard_gather_and_reduce(world_size: int, strategy: str) -> None:
+    run_on_ranks(odd_shapes_roundtrip, world_size, strategy)
+
+
+class Chain(nn.Module):
+    def __init__(self, n: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(n)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = F.gelu(layer(h))
+        return self.head(h)
+
+
+def several_forwards_one_backward(rank: int, world_size: int, strategy: str) -> None:
+    torch.manual_seed(0)
+    reference, model = Chain(), Chain()
+    model.load_state_dict(reference.state_dict())
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+
+    def loss_of(m: nn.Module) -> Tensor:
+        with torch.no_grad():  # an evaluation forward in between must not disturb the training graph
+            m(xs[0])
+        return m(xs[0]).pow(2).mean() + m(xs[1]).abs().mean()
+
+    ref_grads = _ddp_average(list(torch.autograd.grad(loss_of(reference), list(reference.parameters()))), world_size)
+    engine = _shard(model, strategy, {nn.Linear})
+    loss_of(model).backward()
+    for (name, _), g in zip(reference.named_parameters(), ref_grads):
+        p = next(sp for sp in engine.sharded_params() if sp.fqn == name)
+        torch.testing.assert_close(engine.gather_full(p, p.sharded.grad), g, msg=name)
+    assert all(u.is_sharded for u in engine.units)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_several_forwards_before_one_backward(strategy: str) -> None:
+    run_on_ranks(several_forwards_one_backward, 2, strategy)
+
+
+def count_collectives(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = Chain(n=4, width=16)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = _shard(model, "FULL_SHARD", {nn.Linear})
+    calls: dict[str, list[int]] = {"all_gather": [], "reduce": []}
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_reduce", "reduce_scatter_single")}
+
+    def counting(name: str, kind: str):  # noqa: ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[kind].append(args[0].numel() * args[0].element_size() if kind == "reduce" else
+                               args[1].numel() * args[1].element_size() * world_size)
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    x = torch.randn(2, 4)
+    try:
+        dist.all_gather_single = counting("all_gather_single", "all_gather")
+        dist.all_reduce = counting("all_reduce", "reduce")
+        dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce")
+        out = model(x).sum()
+        forward_gathers = len(calls["all_gather"])
+        out.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {
+        "units": len(engine.units),
+        "forward_gathers": forward_gathers,
+        "backward_gathers": len(calls["all_gather"]) - forward_gathers,
+        "reductions": len(calls["reduce"]),
+        "bytes": sum(calls["all_gather"]) + sum(calls["reduce"]),
+        "model_bytes": model_bytes,
+    }
+
+
+def test_full_shard_collective_counts_and_bytes() -> None:
+    for stats in run_on_ranks(count_collectives, 2):
+        units = stats["units"]
+        assert units == 7  # embed, 4 layers, head, and the (empty) root
+        assert stats["forward_gathers"] == units - 1  # the root holds no parameters: nothing to gather
+        assert stats["backward_gathers"] == units - 2  # the last unit of forward is not gathered again
+        assert stats["reductions"] == units - 1
+        assert stats["bytes"] <= 3 * stats["model_bytes"], stats
+
+
+class TiedAcrossUnits(nn.Module):
+    """The same Linear used by two blocks, and an embedding tied to the head: stored once each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(6, 6)
+        self.emb = nn.Embedding(10, 6)
+        self.blocks = nn.ModuleList([nn.Sequential(shared, nn.Tanh()), nn.Sequential(shared, nn.Tanh())])
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def tied_weights(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    reference, model = TiedAcrossUnits(), TiedAcrossUnits()
+    model.load_state_dict(reference.state_dict())
+    idx = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(rank))
+    ref_grads = _ddp_average(list(torch.autograd.grad(reference(idx).logsumexp(-1).mean(),
+                                                      list(reference.parameters()))), world_size)
+    engine = _shard(model, "FULL_SHARD", {nn.Sequential, nn.Embedding})
+    assert len(list(model.parameters())) == len(list(reference.parameters())) == 3  # tied ones stored once
+    model(idx).logsumexp(-1).mean().backward()
+    for (name, _), g in zip(reference.named_parameters(), ref_grads):
+        p = next(sp for sp in engine.sharded_params() if name in sp.fqns)
+        torch.testing.assert_close(engine.gather_full(p, p.sharded.grad), g, msg=name)
+    owners = {sp.fqn: engine.units.index(u) for u in engine.units for sp in u.params}
+    assert owners["emb.weight"] == 0  # shared by emb and head: the root, their lowest common unit
+    assert owners["blocks.0.0.weight"] == 0
+
+
+def test_tied_and_shared_weights_are_stored_once_and_reduced_once() -> None:
+    run_on_ranks(tied_weights, 2)
+
+
+class MetaInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def meta_device_init(rank: int, world_size: int) -> dict:
+    with torch.device("meta"):
+        model = MetaInit()
+    torch.manual_seed(5)
+    engine = _shard(model, "FULL_SHARD", {nn.Linear})
+    peak_unsharded = max(u.flat_unsharded.numel() for u in engine.units)
+    full = {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
+    assert all(not p.sharded.is_meta for p in engine.sharded_params())
+    return {"full": full, "largest_unit": peak_unsharded,
+            "model_numel": sum(p.numel for p in engine.sharded_params())}
+
+
+def test_meta_device_init_through_reset_parameters() -> None:
+    results = run_on_ranks(meta_device_init, 2)
+    for name, t in results[0]["full"].items():
+        torch.testing.assert_close(t, results[1]["full"][name])  # every rank initialised the same full tensor
+        if name.endswith("weight") and t.dim() == 2:
+            bound = 1 / math.sqrt(16)
+            assert t.abs().max() <= bound and t.std() > bound / 4, name  # nn.Linear's kaiming-uniform init ran
+    assert results[0]["full"]["norm.weight"].eq(1).all()
+    assert results[0]["largest_unit"] < results[0]["model_numel"] / 2  # never the whole model at once
+
+
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+
+
+def meta_without_reset(rank: int, world_size: int) -> str:
+    with torch.device("meta"):
+        model = nn.Sequential(NoReset())
+    try:
+        _shard(model)
+    except TypeError as err:
+        return str(err)
+    return ""
+
+
+def test_meta_module_without_reset_parameters_is_named() -> None:
+    for message in run_on_ranks(meta_without_reset, 2):
+        assert "0 (NoReset)" in message and "reset_parameters()" in message
