@@ -290,7 +290,7 @@ def main() -> None:
     text = sample(
         gpt,
         dataset,
-        prompt="First Citizen:\n",
+        prompt="TOBIAS:\n",
         num_chars=args.sample_chars,
         block_size=args.block_size,
         device=trainer.strategy.root_device,

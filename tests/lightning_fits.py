@@ -1,0 +1,168 @@
+"""Lightning-level worker functions: loops, metrics, optimizers and configure_model under ShardStrategy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor, nn
+
+from lightning_shard import ShardStrategy
+from tests.fits import trainer_for
+from tests.models import GPTBlock, LitModel, MLPBlock, MLPStack, TinyGPT, loader
+
+
+class Classifier(LitModel):
+    """MLP classifier with validation/test/predict steps and a torchmetrics accuracy synced across ranks."""
+
+    def __init__(self) -> None:
+        super().__init__("mlp")
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=5, average="micro")
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_losses.append(F.cross_entropy(logits, y).item())
+        self.val_acc(logits, y)
+        self.log("val_acc", self.val_acc, on_epoch=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(-1)
+
+
+def loops_and_metrics(rank: int, world_size: int, use_ddp: bool) -> dict[str, Any]:
+    L.seed_everything(0)
+    module = Classifier()
+    strategy = DDPStrategy() if use_ddp else ShardStrategy(auto_wrap_policy={MLPBlock})
+    trainer = trainer_for(strategy, world_size, steps=12, max_epochs=3, limit_val_batches=3)
+    val = loader("mlp")
+    trainer.fit(module, train_dataloaders=loader("mlp"), val_dataloaders=val)
+    val_acc = trainer.callback_metrics["val_acc"].item()
+    tested = trainer.test(module, dataloaders=val, verbose=False)[0]["test_loss"]
+    predictions = torch.cat(trainer.predict(module, dataloaders=val))
+    return {"losses": module.losses, "val_losses": module.val_losses, "val_acc": val_acc, "test_loss": tested,
+            "predictions": predictions}
+
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization with one optimizer per half of the network (GAN-style alternation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = MLPStack()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        opt_body, opt_head = self.optimizers()
+        x, y = batch
+        for opt in (opt_body, opt_head):
+            loss = F.cross_entropy(self.model(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            self.losses.append(loss.item())
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        head = list(self.model.head.parameters())
+        body = [p for n, p in self.model.named_parameters() if not n.startswith("head.")]
+        return [torch.optim.AdamW(body, lr=1e-2), torch.optim.SGD(head, lr=0.1, momentum=0.9)]
+
+
+def two_optimizers(rank: int, world_size: int, use_ddp: bool) -> list[float]:
+    L.seed_everything(0)
+    module = TwoOptimizers()
+    strategy = DDPStrategy() if use_ddp else ShardStrategy(auto_wrap_policy={MLPBlock})
+    trainer_for(strategy, world_size, steps=8).fit(module, train_dataloaders=loader("mlp"))
+    return module.losses
+
+
+class MetaGPT(LitModel):
+    """Builds the GPT on the meta device in configure_model: no rank ever holds the full model."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.kind, self.lr, self.losses = "gpt", 1e-2, []
+        self.model: nn.Module | None = None
+        self.built_on_meta = False
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            self.model = TinyGPT()
+        self.built_on_meta = all(p.is_meta for p in self.model.parameters())
+
+    def on_train_start(self) -> None:
+        engine = self.trainer.strategy.engine
+        self.initial = {fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params() for fqn in p.fqns}
+
+
+def meta_configure_model(rank: int, world_size: int) -> dict[str, Any]:
+    L.seed_everything(0)
+    module = MetaGPT()
+    strategy = ShardStrategy(auto_wrap_policy={GPTBlock})
+    trainer_for(strategy, world_size, steps=10).fit(module, train_dataloaders=loader("gpt"))
+    engine = strategy.engine
+    tied = module.model.lm_head.weight is module.model.wte.weight
+    full = {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
+    return {"built_on_meta": module.built_on_meta, "losses": module.losses, "tied": tied, "full": full,
+            "initial": module.initial,
+            "largest_unit": max(u.flat_unsharded.numel() for u in engine.units),
+            "model_numel": sum(p.numel for p in engine.sharded_params())}
+
+
+def ddp_from_weights(rank: int, world_size: int, weights: dict[str, Tensor]) -> dict[str, Any]:
+    L.seed_everything(0)
+    module = LitModel("gpt")
+    module.load_state_dict(weights)
+    trainer_for(DDPStrategy(), world_size, steps=10).fit(module, train_dataloaders=loader("gpt"))
+    return {"losses": module.losses, "full": {n: p.detach().clone() for n, p in module.named_parameters()}}
+
+
+def memory_after_step(rank: int, world_size: int) -> dict[str, Any]:
+    L.seed_everything(0)
+    module = LitModel("gpt")
+    strategy = ShardStrategy(auto_wrap_policy={GPTBlock})
+    trainer = trainer_for(strategy, world_size, steps=3)
+    trainer.fit(module, train_dataloaders=loader("gpt"))
+    report = strategy.memory_report()
+    engine = strategy.engine
+    elsize = 4
+    padding = 0
+    for unit in engine.units:
+        real = sum(p.local_rows * p.row_numel for p in unit.params)
+        real_trainable = sum(p.local_rows * p.row_numel for p in unit.trainable)
+        padding += (unit.sharded_numel - real) * elsize
+        if unit.trainable:
+            padding += (unit.grad_sharded_numel + len(unit.trainable) - real_trainable) * elsize
+    unsharded_alive = sum(u.flat_unsharded.untyped_storage().nbytes() for u in engine.units)
+    return {"report": report, "padding": padding, "unsharded_alive": unsharded_alive}
+
+
+def raising_wrap_policy(rank: int, world_size: int) -> str:
+    module = LitModel("mlp")
+    trainer = trainer_for(ShardStrategy(auto_wrap_policy={"NoSuchBlock", GPTBlock}), world_size, steps=1)
+    try:
+        trainer.fit(module, train_dataloaders=loader("mlp"))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def raising_mesh(rank: int, world_size: int) -> str:
+    trainer = trainer_for(ShardStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(3, 2)), world_size, steps=1)
+    try:
+        trainer.fit(LitModel("mlp"), train_dataloaders=loader("mlp"))
+    except ValueError as err:
+        return str(err)
+    return ""
