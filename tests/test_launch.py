@@ -1,0 +1,37 @@
+"""Process-level behaviour under Lightning's own launcher: a failing rank ends the job, teardown cleans up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "launch_fit.py"
+_LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
+def _launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_rank_that_raises_ends_the_job_with_its_error(failing_rank: int) -> None:
+    # A hang would exceed the subprocess timeout and fail this test.
+    done = _launch("--devices", "2", "--raise-on-rank", str(failing_rank))
+    assert done.returncode != 0
+    assert f"boom on rank {failing_rank}" in done.stderr
+    assert "finished" not in done.stdout
+
+
+def test_fit_on_two_processes_finishes_and_destroys_its_process_group() -> None:
+    done = _launch("--devices", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 finished; process group initialized after fit: False" in done.stdout
+    assert "rank 1 finished; process group initialized after fit: False" in done.stdout
