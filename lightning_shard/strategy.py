@@ -4,7 +4,7 @@ engine, and routes Lightning's hooks to it; the sharding itself lives in ``engin
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -32,9 +33,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.engine import ShardedModule, shard_module
+from lightning_shard.full_state import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
 from lightning_shard.memory import MemoryReport, memory_report
 from lightning_shard.mesh import ShardMesh, build_shard_mesh, mesh_shape
 from lightning_shard.policies import ShardingStrategy, ShardingStrategyName, WrapPolicySpec, resolve_wrap_policy
@@ -270,6 +278,35 @@ class ShardStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    # Checkpoints: full (consolidated) state, so Lightning's checkpoints load at any world size #
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load checkpoints after the model is sharded: each rank keeps only its rows."""
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return full_model_state_dict(self.engine, self.lightning_module)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        load_full_model_state_dict(self.engine, self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_optimizer_state_dict(self.engine, optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state_dict(self.engine, optimizer, state)
 
     # Reporting #
 
