@@ -99,6 +99,18 @@ class ShardedModule:
                 unit.backward_state = BackwardState.IDLE
             unit.reshard()
 
+    def rebind_mesh(self, mesh: ShardMesh) -> None:
+        """Use ``mesh``'s process groups from now on (the shards stay); the layout must be the same."""
+        if (mesh.replicas, mesh.shard_size, mesh.rank) != (self.mesh.replicas, self.mesh.shard_size, self.mesh.rank):
+            raise ValueError(
+                f"This model was sharded as mesh (replicas, shard_size) ="
+                f" ({self.mesh.replicas}, {self.mesh.shard_size}) on rank {self.mesh.rank};"
+                f" it cannot be reused as ({mesh.replicas}, {mesh.shard_size}) on rank"
+                f" {mesh.rank}. Save a checkpoint and load it into a fresh model instead."
+            )
+        self.mesh.shard_group, self.mesh.replicate_group = mesh.shard_group, mesh.replicate_group
+        self.mesh.owned_groups = mesh.owned_groups
+
     def reshard_all(self) -> None:
         for unit in self.units:
             unit.reshard()
@@ -125,7 +137,8 @@ def shard_module(
 ) -> ShardedModule:
     """Shard ``root`` in place: afterwards its parameters are this rank's shards and forward gathers them."""
     existing = getattr(root, _ENGINE_ATTR, None)
-    if existing is not None:
+    if existing is not None:  # sharded before (an earlier stage or Trainer): keep the shards, use the new groups
+        existing.rebind_mesh(mesh)
         return existing
     unit_modules = [("", root), *select_unit_modules(root, policy)]
     uses, params_by_id = _collect_parameters(root, {id(m) for _, m in unit_modules})
@@ -160,7 +173,7 @@ def shard_module(
         sps = assignment[id(module)]
         unit = ShardUnit(name, module, sps, mesh, device, reshard_after_forward=reshard and module is not root)
         if any(full[id(sp)].is_meta for sp in sps):
-            unit.init_from_reset_parameters(meta_modules[id(module)], device)
+            unit.init_from_reset_parameters(meta_modules[id(module)], full, device)
         else:
             unit.init_from_full(full)
         units.append(unit)

@@ -146,7 +146,19 @@ def select_unit_modules(root: nn.Module, policy: WrapPolicy | None) -> list[tupl
         policy.check_matches(root)
     if isinstance(policy, SizeWrapPolicy):
         return _select_by_size(root, policy.min_num_params)
-    return [(name, m) for name, m in root.named_modules() if m is not root and policy(m, name)]
+    selected = [(name, m) for name, m in root.named_modules() if m is not root and policy(m, name)]
+    containers = sorted({type(m).__name__ for _, m in selected if not _is_callable_module(m)})
+    if containers:
+        raise ValueError(
+            f"auto_wrap_policy selects {', '.join(containers)}, which has no forward(): a unit is gathered when its"
+            " forward runs, so a container would never be. Select the modules inside it instead."
+        )
+    return selected
+
+
+def _is_callable_module(module: nn.Module) -> bool:
+    """Containers such as nn.ModuleList/nn.ModuleDict keep nn.Module's unimplemented forward."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _select_by_size(root: nn.Module, min_num_params: int) -> list[tuple[str, nn.Module]]:
@@ -157,7 +169,7 @@ def _select_by_size(root: nn.Module, min_num_params: int) -> list[tuple[str, nn.
         remaining = sum(p.numel() for p in module.parameters(recurse=False))
         for child_name, child in module.named_children():
             remaining += visit(child, f"{name}.{child_name}" if name else child_name)
-        if module is not root and remaining >= min_num_params:
+        if module is not root and remaining >= min_num_params and _is_callable_module(module):
             selected.append((name, module))
             return 0
         return remaining

@@ -170,9 +170,6 @@ class ShardStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._mesh = build_shard_mesh(self.sharding_strategy, self._device_mesh, self._process_group_backend)
-        if self._engine is not None:  # a later stage of the same Trainer: new groups, same shards
-            self._engine.mesh.shard_group = self._mesh.shard_group
-            self._engine.mesh.replicate_group = self._mesh.replicate_group
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -190,6 +187,9 @@ class ShardStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        _refuse_norm_clipping(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:  # Trainer(sync_batchnorm=True)
+            self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model = self._setup_model(self.model)
         self.barrier()
@@ -362,3 +362,15 @@ def _move_param_free_modules(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         if next(module.parameters(recurse=False), None) is None and module is not model:
             module._apply(lambda t: t.to(device) if t.device != device else t, recurse=False)
+
+
+def _refuse_norm_clipping(trainer: pl.Trainer) -> None:
+    """Lightning's norm clipping would use each rank's shard norm, so ranks would clip differently: refuse it."""
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+
+    algorithm = trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM  # Lightning's default is norm
+    if trainer.gradient_clip_val and algorithm == GradClipAlgorithmType.NORM:
+        raise ValueError(
+            "ShardStrategy does not support gradient_clip_algorithm='norm' yet: each rank would clip by the norm of"
+            " its own shards. Use gradient_clip_algorithm='value', or train without gradient_clip_val."
+        )

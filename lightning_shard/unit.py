@@ -170,6 +170,7 @@ class ShardUnit:
         chunked = torch.empty(n, self.grad_sharded_numel + k, dtype=self.dtype, device=device)
         pieces = [p.grad_rows(g) for p, g in zip(self.trainable, grads)]
         torch._chunk_cat([*pieces, used.expand(n, k)], dim=0, num_chunks=n, out=chunked)
+        del grads, pieces  # the unsharded gradients are copied: free them before communicating
         chunked.div_(mesh.world_size)  # DDP's order: divide, then sum (exact for power-of-two world sizes)
         if mesh.shard_group is not None:
             reduced = collectives.reduce_scatter_sum(chunked.view(-1), mesh.shard_group, mesh.shard_rank)
@@ -228,8 +229,8 @@ class ShardUnit:
     def post_backward(self) -> None:
         if self.backward_state is BackwardState.IDLE:
             return
+        self.reshard()  # the weights are not needed to reduce: free them first, lowering the peak
         self.reduce_grads()
-        self.reshard()
 
     # Initialization from full weights #
 
@@ -240,12 +241,18 @@ class ShardUnit:
         self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
         self.reshard()
 
-    def init_from_reset_parameters(self, modules: list[nn.Module], device: torch.device) -> None:
-        """Materialise the unit in full (one unit at a time), run ``reset_parameters()``, keep this rank's rows."""
+    def init_from_reset_parameters(
+        self, modules: list[nn.Module], full: dict[int, Tensor], device: torch.device
+    ) -> None:
+        """Materialise the unit in full (one unit at a time), run ``reset_parameters()`` on the ``modules`` that own
+        meta-device parameters, and keep this rank's rows; parameters not on the meta device keep their values."""
         storage = self.flat_unsharded.untyped_storage()
         storage.resize_(self.flat_unsharded.numel() * self.flat_unsharded.element_size())
         self.expose_unsharded()
         with torch.no_grad():
+            for p in self.params:
+                if not full[id(p)].is_meta:
+                    p.unsharded.copy_(full[id(p)])
             for m in modules:
                 for name, buf in m._buffers.items():
                     if buf is not None and buf.is_meta:

@@ -166,3 +166,15 @@ def raising_mesh(rank: int, world_size: int) -> str:
     except ValueError as err:
         return str(err)
     return ""
+
+
+def clipped_fit(rank: int, world_size: int, algorithm: str, use_ddp: bool) -> list[float] | str:
+    L.seed_everything(0)
+    module = LitModel("mlp")
+    strategy = DDPStrategy() if use_ddp else ShardStrategy(auto_wrap_policy={MLPBlock})
+    trainer = trainer_for(strategy, world_size, steps=10, gradient_clip_val=0.001, gradient_clip_algorithm=algorithm)
+    try:
+        trainer.fit(module, train_dataloaders=loader("mlp"))
+    except ValueError as err:
+        return str(err)
+    return module.losses

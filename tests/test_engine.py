@@ -282,3 +282,19 @@ def meta_without_reset(rank: int, world_size: int) -> str:
 def test_meta_module_without_reset_parameters_is_named() -> None:
     for message in run_on_ranks(meta_without_reset, 2):
         assert "0 (NoReset)" in message and "reset_parameters()" in message
+
+
+def partly_meta(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    kept = model[0].weight.detach().clone()
+    with torch.device("meta"):
+        model[1] = nn.Linear(4, 4)
+    engine = _shard(model, "FULL_SHARD")  # one unit holding real and meta-device parameters
+    first = engine.root_unit.params[0]
+    return {"kept": kept, "gathered": engine.gather_full(first, first.sharded)}
+
+
+def test_parameters_not_on_meta_keep_their_values_when_the_unit_is_initialised() -> None:
+    for r in run_on_ranks(partly_meta, 2):
+        torch.testing.assert_close(r["gathered"], r["kept"])

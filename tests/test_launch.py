@@ -32,6 +32,7 @@ def test_a_rank_that_raises_ends_the_job_with_its_error(failing_rank: int) -> No
 
 def test_fit_on_two_processes_finishes_and_destroys_its_process_group() -> None:
     done = _launch("--devices", "2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank 0 finished; process group initialized after fit: False" in done.stdout
-    assert "rank 1 finished; process group initialized after fit: False" in done.stdout
+    report = f"exit {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, report
+    assert "rank 0 finished; process group initialized after fit: False" in done.stdout, report
+    assert "rank 1 finished; process group initialized after fit: False" in done.stdout, report

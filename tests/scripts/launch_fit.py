@@ -45,4 +45,5 @@ if __name__ == "__main__":
         enable_model_summary=False,
     )
     trainer.fit(RaisingModel(args.raise_on_rank), train_dataloaders=loader("mlp"))
-    print(f"rank {trainer.global_rank} finished; process group initialized after fit: {dist.is_initialized()}")
+    initialized = dist.is_initialized()
+    print(f"rank {trainer.global_rank} finished; process group initialized after fit: {initialized}", flush=True)

@@ -1,0 +1,140 @@
+"""Peak resident memory per rank: ShardStrategy's engine against PyTorch's fully_shard, meta-device init.
+
+    MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python benchmarks/peak_memory.py
+
+Each engine runs in fresh processes (2 gloo ranks, one thread each) so that peaks do not mix:
+build a 25M-parameter GPT (d=512, 8 blocks, ctx 64) on the meta device, shard and initialise it,
+then train 3 AdamW steps on batch 8. The peak is the process's maximum RSS minus its RSS after
+imports; MALLOC_MMAP_THRESHOLD_ makes freed tensors go back to the OS so RSS follows live memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+D, LAYERS, HEADS, CTX, VOCAB, BATCH = 512, 8, 8, 64, 512, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, 2))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(CTX, D)
+        self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _worker(rank: int, engine: str, port: int, out: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    # Both engines' imports happen before the baseline, so only model state and activations are measured.
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_shard.engine import shard_module
+    from lightning_shard.mesh import build_shard_mesh
+    from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
+
+    baseline = _rss_mb()
+    with torch.device("meta"):
+        model = GPT()
+    if engine == "shard":
+        strategy = ShardingStrategy.FULL_SHARD
+        shard_module(model, build_shard_mesh(strategy, None), strategy, resolve_wrap_policy({Block}),
+                     torch.device("cpu"))
+    else:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        idx = torch.randint(0, VOCAB, (BATCH, CTX + 1), generator=g)
+        loss = F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out.put((rank, peak - baseline))
+    dist.destroy_process_group()
+
+
+def run_once(engine: str, port: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, engine, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    return [results[r] for r in range(2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", choices=["shard", "fully_shard"])
+    parser.add_argument("--port", type=int, default=29600)
+    args = parser.parse_args()
+    if args.engine:  # one measurement in this fresh process
+        print(" ".join(f"{x:.1f}" for x in run_once(args.engine, args.port)))
+        return
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    peaks: dict[str, list[float]] = {"shard": [], "fully_shard": []}
+    for i in range(args.repeats):  # alternate, so drift on a shared machine hits both alike
+        for engine in peaks:
+            cmd = [sys.executable, __file__, "--engine", engine, "--port", str(args.port + 2 * i + len(peaks[engine]))]
+            line = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()
+            peaks[engine].append(max(float(x) for x in line))
+    model_mb = sum(p.numel() for p in GPT().parameters()) * 4 / 2**20
+    print(f"GPT: {model_mb:.1f} MiB of fp32 parameters; 2 ranks; peak RSS above baseline per rank (max of ranks)")
+    print("| engine | median peak (MiB) | runs |")
+    print("|---|---|---|")
+    for engine, values in peaks.items():
+        print(f"| {engine} | {statistics.median(values):.0f} | {', '.join(f'{v:.0f}' for v in values)} |")
+
+
+if __name__ == "__main__":
+    main()
