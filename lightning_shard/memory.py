@@ -12,8 +12,8 @@ from lightning_shard.engine import ShardedModule
 
 
 @dataclass(frozen=True)
-class ShardMemoryBytes:
-    """Bytes this rank holds for its shards (padding included)."""
+class ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer state."""
 
     parameters: int
     gradients: int
@@ -25,16 +25,13 @@ class ShardMemoryBytes:
 
 
 @dataclass(frozen=True)
-class ReplicatedMemoryBytes:
+class ShardMemoryBytes(ModelStateBytes):
+    """Bytes this rank holds for its shards (padding included)."""
+
+
+@dataclass(frozen=True)
+class ReplicatedMemoryBytes(ModelStateBytes):
     """Bytes the same model state would take on one rank without sharding (as with DDP)."""
-
-    parameters: int
-    gradients: int
-    optimizer_state: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state
 
 
 @dataclass(frozen=True)
