@@ -7,7 +7,15 @@ Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shard.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
-from lightning_shard.policies import CallableWrapPolicy, ModuleClassWrapPolicy, ShardingStrategy, SizeWrapPolicy
+from lightning_shard.mixed_precision import MixedPrecision
+from lightning_shard.policies import (
+    CallableWrapPolicy,
+    GradSync,
+    ModuleClassWrapPolicy,
+    ShardingStrategy,
+    SizeWrapPolicy,
+)
+from lightning_shard.precision import ShardedGradScaler, ShardPrecision
 from lightning_shard.strategy import ShardStrategy
 
 __version__ = "0.1.0"
@@ -16,11 +24,15 @@ ShardStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "CallableWrapPolicy",
+    "GradSync",
     "MemoryReport",
+    "MixedPrecision",
     "ModuleClassWrapPolicy",
     "ReplicatedMemoryBytes",
     "ShardMemoryBytes",
+    "ShardPrecision",
     "ShardStrategy",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "SizeWrapPolicy",
     "__version__",

@@ -43,6 +43,12 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:
         dist.all_reduce(tensor, group=group)
 
 
+def all_reduce_max(tensor: Tensor, group: ProcessGroup | None) -> None:
+    """Take the elementwise maximum of ``tensor`` in place over the group (``None``: all ranks)."""
+    with record_function("lightning_shard::all_reduce"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
 def broadcast_from_rank0(tensor: Tensor) -> None:
     """Overwrite ``tensor`` on every rank with global rank 0's values."""
     dist.broadcast(tensor, src=0)

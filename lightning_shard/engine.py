@@ -26,13 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_shard import collectives
 from lightning_shard.mesh import ShardMesh
+from lightning_shard.mixed_precision import MixedPrecision
 from lightning_shard.param_shard import ShardedParam
 from lightning_shard.policies import ShardingStrategy, WrapPolicy, select_unit_modules
 from lightning_shard.unit import BackwardState, ShardUnit
@@ -111,6 +114,11 @@ class ShardedModule:
         self.mesh.shard_group, self.mesh.replicate_group = mesh.shard_group, mesh.replicate_group
         self.mesh.owned_groups = mesh.owned_groups
 
+    def hold_gradients(self, hold: bool) -> None:
+        """While held, backward leaves gradients unreduced on the unsharded faces (``grad_sync="step"``)."""
+        for unit in self.units:
+            unit.hold_grads = hold
+
     def reshard_all(self) -> None:
         for unit in self.units:
             unit.reshard()
@@ -134,6 +142,7 @@ def shard_module(
     strategy: ShardingStrategy,
     policy: WrapPolicy | None,
     device: torch.device,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ShardedModule:
     """Shard ``root`` in place: afterwards its parameters are this rank's shards and forward gathers them."""
     existing = getattr(root, _ENGINE_ATTR, None)
@@ -158,6 +167,9 @@ def shard_module(
             shard_size=mesh.shard_size,
             shard_rank=mesh.shard_rank,
         )
+        if mixed_precision is not None:
+            compute = mixed_precision.compute_dtype(m for m, _ in use.owners)
+            sp.compute_dtype = compute if compute != param.dtype else None
         assignment[unit_id].append(sp)
         full[id(sp)] = param
     for unit_id, sps in assignment.items():
@@ -171,16 +183,18 @@ def shard_module(
     units: list[ShardUnit] = []
     for name, module in unit_modules:
         sps = assignment[id(module)]
-        unit = ShardUnit(name, module, sps, mesh, device, reshard_after_forward=reshard and module is not root)
+        reduce_dtype = mixed_precision.reduce_dtype if mixed_precision is not None else None
+        reshard_here = reshard and module is not root
+        unit = ShardUnit(name, module, sps, mesh, device, reshard_after_forward=reshard_here, reduce_dtype=reduce_dtype)
         if any(full[id(sp)].is_meta for sp in sps):
             unit.init_from_reset_parameters(meta_modules[id(module)], full, device)
         else:
             unit.init_from_full(full)
         units.append(unit)
     full.clear()
-    _materialize_and_sync_buffers(root, device)
+    _materialize_and_sync_buffers(root, device, mixed_precision.buffer_dtype if mixed_precision else None)
     engine = ShardedModule(root, units, mesh, strategy)
-    _register_hooks(engine)
+    _register_hooks(engine, mixed_precision)
     return engine
 
 
@@ -273,8 +287,8 @@ def _check_meta_modules_resettable(root: nn.Module, meta_modules: dict[int, list
         )
 
 
-def _materialize_and_sync_buffers(root: nn.Module, device: torch.device) -> None:
-    """Move buffers to ``device`` and make every rank hold rank 0's values."""
+def _materialize_and_sync_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Move floating buffers to ``device`` (and ``dtype``), and make every rank hold rank 0's values."""
     seen: set[int] = set()
     for module in root.modules():
         for name, buf in module._buffers.items():
@@ -285,34 +299,54 @@ def _materialize_and_sync_buffers(root: nn.Module, device: torch.device) -> None
                     f"Buffer {name!r} of {type(module).__name__} is still on the meta device after"
                     f" reset_parameters(); initialise it there, or create it on a real device."
                 )
-            if buf.device != device:
-                buf = buf.to(device)
+            target = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
+            if buf.device != device or buf.dtype != target:
+                buf = buf.to(device=device, dtype=target)
                 module._buffers[name] = buf
             seen.add(id(buf))
             if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
                 collectives.broadcast_from_rank0(buf)
 
 
-def _register_hooks(engine: ShardedModule) -> None:
+def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | None) -> None:
     root_unit = engine.root_unit
     for unit in engine.units:
         if unit is root_unit:
-            unit.module.register_forward_pre_hook(_root_pre_forward(engine), with_kwargs=True, prepend=True)
+            unit.module.register_forward_pre_hook(
+                _root_pre_forward(engine, mixed_precision), with_kwargs=True, prepend=True
+            )
         else:
             unit.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         unit.module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    if mixed_precision is not None and mixed_precision.output_dtype is not None:
+        root_unit.module.register_forward_hook(_cast_floating(mixed_precision.output_dtype))
     owners = {id(m): m for p in root_unit.params for m, _ in p.owners if m is not root_unit.module}
     for module in owners.values():
         module.register_forward_pre_hook(_gather_root_if_needed(root_unit))
 
 
-def _root_pre_forward(engine: ShardedModule):  # noqa: ANN202
+def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | None):  # noqa: ANN202
     root_unit = engine.root_unit
+    input_dtype = mixed_precision.param_dtype if mixed_precision and mixed_precision.cast_forward_inputs else None
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if root_unit._forward_depth == 0 and not engine._callback_queued:
             engine.discard_pending()
+        if input_dtype is not None:
+            args, kwargs = _cast_tree((args, kwargs), input_dtype)
         return root_unit.pre_forward(module, args, kwargs)
+
+    return hook
+
+
+def _cast_tree(tree: Any, dtype: torch.dtype) -> Any:
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in flat], spec)
+
+
+def _cast_floating(dtype: torch.dtype):  # noqa: ANN202
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        return _cast_tree(output, dtype)
 
     return hook
 
@@ -321,7 +355,6 @@ def _gather_root_if_needed(root_unit: ShardUnit):  # noqa: ANN202
     def hook(module: nn.Module, args: tuple) -> None:
         if root_unit.is_sharded:
             root_unit.unshard()
-            root_unit.expose_unsharded()
             if torch.is_grad_enabled():
                 root_unit.backward_state = BackwardState.PENDING
 

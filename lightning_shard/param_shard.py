@@ -33,6 +33,9 @@ class ShardedParam:
     shard_size: int
     shard_rank: int
     sharded_offset: int = 0  # element offset of this parameter's padded chunk in the unit's flat sharded buffer
+    compute_dtype: torch.dtype | None = None  # dtype it is gathered and computed in; None: its own dtype
+    gather_offset: int = 0  # byte offset of its padded chunk in one rank's part of the all-gather
+    grad_offset: int = 0  # element offset of its padded chunk in one rank's part of the gradient reduction
     sharded: nn.Parameter = field(init=False, repr=False)
     unsharded: nn.Parameter = field(init=False, repr=False)
 
@@ -85,16 +88,26 @@ class ShardedParam:
         view = flat_sharded[start : start + self.local_rows * self.row_numel].view(self.local_rows, *self.row_shape)
         self.sharded = nn.Parameter(view, requires_grad=self.requires_grad)
 
-    def bind_unsharded(self, flat_unsharded: Tensor) -> None:
-        """Create the unsharded ``nn.Parameter`` as a view of this parameter's padded region of ``flat_unsharded``."""
-        self.unsharded = nn.Parameter(self.padded_unsharded_view(flat_unsharded)[: self.rows].view(self.global_shape))
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return self.compute_dtype or self.dtype
+
+    @property
+    def padded_gather_bytes(self) -> int:
+        """Bytes of one rank's chunk in the all-gather (compute dtype, padding included)."""
+        return self.padded_shard_numel * self.gather_dtype.itemsize
+
+    def bind_unsharded(self, unsharded_bytes: Tensor) -> None:
+        """Create the unsharded ``nn.Parameter`` as a view of this parameter's region of the unit's byte buffer."""
+        padded = self.unsharded_region(unsharded_bytes).view(self.gather_dtype)
+        padded = padded.view(self.shard_size * self.rows_per_rank, *self.row_shape)
+        self.unsharded = nn.Parameter(padded[: self.rows].view(self.global_shape))
         self.unsharded.requires_grad_(self.requires_grad)
 
-    def padded_unsharded_view(self, flat_unsharded: Tensor) -> Tensor:
-        """``(shard_size * rows_per_rank, *row_shape)`` region of the param-major unsharded buffer."""
-        start = self.sharded_offset * self.shard_size
-        region = flat_unsharded[start : start + self.padded_shard_numel * self.shard_size]
-        return region.view(self.shard_size * self.rows_per_rank, *self.row_shape)
+    def unsharded_region(self, unsharded_bytes: Tensor) -> Tensor:
+        """The ``shard_size * padded_gather_bytes`` bytes holding this parameter in full (param-major layout)."""
+        start = self.gather_offset * self.shard_size
+        return unsharded_bytes[start : start + self.padded_gather_bytes * self.shard_size]
 
     def copy_rows_from_full(self, full: Tensor) -> None:
         """Copy this rank's rows of the full tensor ``full`` into the sharded face."""
@@ -104,11 +117,11 @@ class ShardedParam:
         with torch.no_grad():
             self.sharded.copy_(rows)
 
-    def grad_rows(self, full_grad: Tensor | None) -> Tensor:
-        """``full_grad`` as ``(rows, row_numel)`` for chunking, or zeros when the parameter got no gradient."""
+    def grad_rows(self, full_grad: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """``full_grad`` as ``(rows, row_numel)`` in ``dtype`` for chunking; zeros if the parameter got no gradient."""
         if full_grad is None:
-            return torch.zeros(self.rows, self.row_numel, dtype=self.dtype, device=self.sharded.device)
-        return full_grad.reshape(self.rows, self.row_numel)
+            return torch.zeros(self.rows, self.row_numel, dtype=dtype, device=self.sharded.device)
+        return full_grad.reshape(self.rows, self.row_numel).to(dtype)
 
     # Module attributes #
 

@@ -49,6 +49,27 @@ class ShardingStrategy(enum.Enum):
         return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
+class GradSync(enum.Enum):
+    """When gradients are reduced while ``accumulate_grad_batches`` > 1.
+
+    - ``MICROBATCH``: reduce-scatter after every micro-batch and accumulate into the sharded
+      gradients: gradient memory stays sharded, one reduction per unit per micro-batch.
+    - ``STEP``: accumulate full gradients locally and reduce-scatter once per optimizer step:
+      one reduction per unit per step, but full-size gradients are held between micro-batches.
+    """
+
+    MICROBATCH = "microbatch"
+    STEP = "step"
+
+    @classmethod
+    def parse(cls, value: GradSync | str) -> GradSync:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.lower() in {m.value for m in cls}:
+            return cls(value.lower())
+        raise ValueError(f"Unknown grad_sync {value!r}. Valid values are: 'microbatch', 'step'.")
+
+
 # --------------------------------------------------------------------------------------------------
 # Wrap policies
 # --------------------------------------------------------------------------------------------------

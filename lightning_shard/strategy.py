@@ -4,10 +4,10 @@ engine, and routes Lightning's hooks to it; the sharding itself lives in ``engin
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard.activation_checkpointing import apply_activation_checkpointing
+from lightning_shard.clipping import clip_grad_norm_
 from lightning_shard.engine import ShardedModule, shard_module
 from lightning_shard.full_state import (
     full_model_state_dict,
@@ -45,7 +47,15 @@ from lightning_shard.full_state import (
 )
 from lightning_shard.memory import MemoryReport, memory_report
 from lightning_shard.mesh import ShardMesh, build_shard_mesh, mesh_shape
-from lightning_shard.policies import ShardingStrategy, ShardingStrategyName, WrapPolicySpec, resolve_wrap_policy
+from lightning_shard.mixed_precision import MixedPrecision
+from lightning_shard.policies import (
+    GradSync,
+    ShardingStrategy,
+    ShardingStrategyName,
+    WrapPolicySpec,
+    resolve_wrap_policy,
+)
+from lightning_shard.precision import ShardPrecision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -68,6 +78,13 @@ class ShardStrategy(ParallelStrategy):
             parameter count. The root holds whatever no unit claims. ``None``: the whole model is one unit.
         device_mesh: ``(replicas, shard_size)`` for ``"HYBRID_SHARD"``: shard inside groups of ``shard_size``
             ranks, replicate across ``replicas`` groups. Default for ``"HYBRID_SHARD"``: ``(num_nodes, devices)``.
+        mixed_precision: explicit dtypes (``MixedPrecision``) for gathering, computing and reducing; overrides what
+            the Trainer's ``precision`` implies (``"bf16-mixed"``: gather and compute in bf16, reduce in fp32).
+        activation_checkpointing_policy: module classes or class names (as ``auto_wrap_policy``) whose activations
+            are recomputed in backward instead of stored.
+        grad_sync: with ``accumulate_grad_batches`` > 1, ``"microbatch"`` (default) reduce-scatters after every
+            micro-batch, keeping gradients sharded; ``"step"`` accumulates full gradients locally and reduces once
+            per optimizer step (less communication, more memory).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: timeout of the process group's collectives.
     """
@@ -87,6 +104,9 @@ class ShardStrategy(ParallelStrategy):
         auto_wrap_policy: WrapPolicySpec = None,
         sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
         device_mesh: tuple[int, int] | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        activation_checkpointing_policy: WrapPolicySpec = None,
+        grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -101,6 +121,9 @@ class ShardStrategy(ParallelStrategy):
         self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
         self._wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         self._device_mesh = tuple(device_mesh) if device_mesh is not None else None
+        self.mixed_precision = mixed_precision
+        self._checkpointing_policy = resolve_wrap_policy(activation_checkpointing_policy)
+        self.grad_sync = GradSync.parse(grad_sync)
         self._mesh: ShardMesh | None = None
         self._engine: ShardedModule | None = None
         self._owns_process_group = False
@@ -125,6 +148,22 @@ class ShardStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
+
+    @property
+    @override
+    def precision_plugin(self) -> ShardPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, ShardPrecision) else ShardPrecision("32-true")
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = _as_shard_precision(plugin)
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecision | None:
+        """The dtypes in effect: ``mixed_precision`` if given, else what the precision plugin implies."""
+        return self.mixed_precision or self.precision_plugin.mixed_precision_config
 
     @property
     @override
@@ -187,7 +226,8 @@ class ShardStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        _refuse_norm_clipping(trainer)
+        self.precision_plugin.set_device(self.root_device.type)
+        self.precision_plugin.clip_norm_fn = self._clip_optimizer_grad_norm
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:  # Trainer(sync_batchnorm=True)
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -202,7 +242,11 @@ class ShardStrategy(ParallelStrategy):
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place (the LightningModule is the root unit); it stays the same object."""
-        self._engine = shard_module(model, self.mesh, self.sharding_strategy, self._wrap_policy, self.root_device)
+        self._engine = shard_module(
+            model, self.mesh, self.sharding_strategy, self._wrap_policy, self.root_device, self.mixed_precision_config
+        )
+        if self._checkpointing_policy is not None:
+            apply_activation_checkpointing(model, self._checkpointing_policy)
         _move_param_free_modules(model, self.root_device)
         return model
 
@@ -250,6 +294,38 @@ class ShardStrategy(ParallelStrategy):
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         assert self.lightning_module is not None
         return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
+
+    # Gradient accumulation and clipping #
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for micro-batches that do not end an accumulation window. With
+        ``grad_sync="step"`` their gradients stay unreduced on the unsharded weights; with ``"microbatch"``
+        they are reduced right away, as always."""
+        if self.grad_sync is not GradSync.STEP or self._engine is None:
+            yield
+            return
+        self._engine.hold_gradients(True)
+        try:
+            yield
+        finally:
+            self._engine.hold_gradients(False)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[Tensor] | None = None, max_norm: float = float("inf"), norm_type: float = 2.0
+    ) -> Tensor:
+        """Clip gradients by their global norm over all shards and return that norm (identical on every rank).
+
+        ``parameters`` are the sharded parameters to clip (default: all of the model's). The default
+        ``max_norm`` of infinity only computes the norm, e.g. to log it. Every rank must call it.
+        """
+        shards = list(parameters) if parameters is not None else [p.sharded for p in self.engine.sharded_params()]
+        return clip_grad_norm_(shards, self.engine.mesh, self.root_device, max_norm, norm_type)
+
+    def _clip_optimizer_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self.clip_grad_norm_(params, max_norm)
 
     # Collectives #
 
@@ -364,13 +440,21 @@ def _move_param_free_modules(model: nn.Module, device: torch.device) -> None:
             module._apply(lambda t: t.to(device) if t.device != device else t, recurse=False)
 
 
-def _refuse_norm_clipping(trainer: pl.Trainer) -> None:
-    """Lightning's norm clipping would use each rank's shard norm, so ranks would clip differently: refuse it."""
-    from lightning.pytorch.utilities import GradClipAlgorithmType
+def _as_shard_precision(plugin: Precision | None) -> ShardPrecision | None:
+    """Accept a ShardPrecision, or translate the plugin Lightning picked from ``Trainer(precision=...)``."""
+    if plugin is None or isinstance(plugin, ShardPrecision):
+        return plugin
+    from lightning.pytorch.plugins.precision import HalfPrecision
+    from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 
-    algorithm = trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM  # Lightning's default is norm
-    if trainer.gradient_clip_val and algorithm == GradClipAlgorithmType.NORM:
-        raise ValueError(
-            "ShardStrategy does not support gradient_clip_algorithm='norm' yet: each rank would clip by the norm of"
-            " its own shards. Use gradient_clip_algorithm='value', or train without gradient_clip_val."
-        )
+    if isinstance(plugin, LightningMixedPrecision):
+        return ShardPrecision(plugin.precision, device=plugin.device)  # type: ignore[arg-type]
+    if isinstance(plugin, HalfPrecision):
+        return ShardPrecision(plugin.precision)  # type: ignore[arg-type]
+    if type(plugin) is Precision:
+        return ShardPrecision("32-true")
+    raise TypeError(
+        f"ShardStrategy works with the ShardPrecision plugin; found {type(plugin).__name__}. Pass one of the"
+        f" Trainer precisions '32-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true', or"
+        f" plugins=[ShardPrecision(...)]."
+    )

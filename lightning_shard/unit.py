@@ -2,24 +2,29 @@
 
 A unit owns two flat buffers:
 
-- ``flat_sharded: Tensor  # 1D (S,)``: this rank's chunk of every parameter, padded, concatenated
-  (trainable parameters first, then frozen ones). The sharded ``nn.Parameter`` faces are views of it.
-- ``flat_unsharded: Tensor  # 1D (shard_size * S,)``: every parameter in full, param-major, padded.
-  Its storage is freed (resized to 0) while the unit is sharded and refilled by ``unshard()``.
+- ``flat_sharded: Tensor  # 1D (S,), parameter dtype``: this rank's chunk of every parameter,
+  padded, concatenated. The sharded ``nn.Parameter`` faces are views of it (the fp32 master
+  weights under mixed precision).
+- ``flat_unsharded: Tensor  # 1D (shard_size * B,), uint8``: every parameter in full, param-major,
+  padded, each in its compute dtype (``B`` bytes per rank). Its storage is freed (resized to 0)
+  while the unit is sharded and refilled by ``unshard()``.
 
-With a shard group of one rank (``NO_SHARD``) the two are the same buffer and nothing is gathered.
+When nothing needs gathering or casting (one-rank shard group, compute dtype = parameter dtype,
+as under ``NO_SHARD`` in fp32) the unsharded buffer is a byte view of the sharded one.
 
 [Note: unit states and autograd]
-A unit is ``SHARDED`` or ``UNSHARDED`` (its full weights exist). Forward runs unsharded: the
-pre-forward hook all-gathers (one collective) and puts the unsharded faces on the modules; the
-post-forward hook frees them again under ``FULL_SHARD``/``HYBRID_SHARD`` and puts the sharded
-faces back. Autograd has saved references to the unsharded faces; the pre-backward hook (a hook
-on the forward's output tensors) gathers into the same storage, so those references see the
-weights again. The copy into the storage preserves the version counter: it restores the values
-autograd saved, it does not change them. Gradients accumulate on the unsharded faces; the
-post-backward (a node on the forward's inputs, or the engine's end-of-backward callback for units
-whose inputs need no gradient) reduce-scatters them in one collective and adds this rank's rows
-to the sharded faces' ``.grad``.
+A unit is ``SHARDED`` or ``UNSHARDED`` (its full weights exist), and its modules hold the
+matching faces. Forward runs unsharded: the pre-forward hook all-gathers (one collective, in the
+compute dtype) and puts the unsharded faces on the modules; the post-forward hook frees them
+again under ``FULL_SHARD``/``HYBRID_SHARD`` and puts the sharded faces back. Autograd has saved
+references to the unsharded faces; the pre-backward hook (a hook on the forward's output tensors)
+gathers into the same storage, so those references see the weights again, and so does an
+activation-checkpointed region that recomputes its forward in backward. The copy into the storage
+preserves the version counter: it restores the values autograd saved, it does not change them.
+Gradients accumulate on the unsharded faces; the post-backward (a node on the forward's inputs,
+or the engine's end-of-backward callback for units whose inputs need no gradient) reduce-scatters
+them in one collective (in the reduce dtype) and adds this rank's rows to the sharded faces'
+``.grad``, in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -46,10 +51,11 @@ class UnitState(enum.Enum):
 
 
 class BackwardState(enum.Enum):
-    """Whether gradients computed since the last reduction are waiting on the unsharded faces."""
+    """Where the gradients computed since the last reduction are."""
 
     IDLE = enum.auto()  # nothing to reduce
-    PENDING = enum.auto()  # a forward with grad ran (or a gradient arrived): reduce before the step
+    PENDING = enum.auto()  # a forward with grad ran (or a gradient arrived): reduce when its backward ends
+    HELD = enum.auto()  # kept unreduced on the unsharded faces (grad_sync="step" between optimizer steps)
 
 
 class ShardUnit:
@@ -65,32 +71,30 @@ class ShardUnit:
         mesh: ShardMesh,
         device: torch.device,
         reshard_after_forward: bool,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.name = name
         self.module = module
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
-        self.params = sorted(params, key=lambda p: not p.requires_grad)  # trainable first: see _reduce_grads
-        self.trainable = [p for p in self.params if p.requires_grad]
-        dtypes = {p.dtype for p in self.params}
+        dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(
                 f"Sharding unit {name or '<root>'!r} ({type(module).__name__}) mixes parameter dtypes"
-                f" {sorted(str(d) for d in dtypes)}. A unit is gathered as one flat buffer of one dtype:"
+                f" {sorted(str(d) for d in dtypes)}. A unit keeps its shards in one flat buffer of one dtype:"
                 f" make the differently-typed submodules units of their own with auto_wrap_policy."
             )
         self.dtype = dtypes.pop() if dtypes else torch.float32
-        offset = 0
-        for p in self.params:
-            p.sharded_offset = offset
-            offset += p.padded_shard_numel
-        self.sharded_numel = offset  # S: this rank's padded elements
-        self.grad_sharded_numel = sum(p.padded_shard_numel for p in self.trainable)
+        self.reduce_dtype = reduce_dtype or self.dtype
+        # Wider compute dtypes first, so every parameter's bytes start aligned for its dtype.
+        self.params = sorted(params, key=lambda p: -p.gather_dtype.itemsize)
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self._layout()
         self.flat_sharded = torch.zeros(self.sharded_numel, dtype=self.dtype, device=device)
-        if self.gathers:
-            self.flat_unsharded = torch.empty(self.sharded_numel * mesh.shard_size, dtype=self.dtype, device=device)
+        if self.materializes:
+            self.flat_unsharded = torch.empty(self.gather_bytes * mesh.shard_size, dtype=torch.uint8, device=device)
         else:
-            self.flat_unsharded = self.flat_sharded
+            self.flat_unsharded = self.flat_sharded.view(torch.uint8)
         for p in self.params:
             p.bind_sharded(self.flat_sharded)
             p.bind_unsharded(self.flat_unsharded)
@@ -98,15 +102,44 @@ class ShardUnit:
                 p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         self.state = UnitState.UNSHARDED
         self.backward_state = BackwardState.IDLE
+        self.hold_grads = False  # set by the engine while gradients accumulate unreduced (grad_sync="step")
         self._forward_depth = 0
         self.on_first_pre_backward: Callable[[], None] = lambda: None  # set by the engine
         self.on_pre_forward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         self.on_reshard_after_forward: Callable[[ShardUnit], None] = ShardUnit.reshard  # the engine may defer it
 
+    def _layout(self) -> None:
+        sharded = gather = grad = 0
+        for p in self.params:
+            p.sharded_offset, p.gather_offset = sharded, gather
+            sharded += p.padded_shard_numel
+            gather += p.padded_gather_bytes
+        for p in self.trainable:
+            p.grad_offset = grad
+            grad += p.padded_shard_numel
+        self.sharded_numel = sharded  # S: this rank's padded elements
+        self.gather_bytes = gather  # B: this rank's bytes in the all-gather
+        self.grad_sharded_numel = grad  # this rank's padded elements in the gradient reduction
+        self.casts = any(p.gather_dtype != self.dtype for p in self.params)
+        # Runs of parameters sharing a compute dtype: one cast-copy each into the all-gather input.
+        self._cast_runs: list[tuple[torch.dtype, int, int, int]] = []  # (dtype, sharded start, end, byte start)
+        for p in self.params:
+            run = self._cast_runs[-1] if self._cast_runs else None
+            if run is not None and run[0] == p.gather_dtype:
+                self._cast_runs[-1] = (run[0], run[1], p.sharded_offset + p.padded_shard_numel, run[3])
+            else:
+                end = p.sharded_offset + p.padded_shard_numel
+                self._cast_runs.append((p.gather_dtype, p.sharded_offset, end, p.gather_offset))
+
     @property
     def gathers(self) -> bool:
-        """False when the shard group is one rank: the sharded buffer already is the full one."""
+        """False when the shard group is one rank: no collective is needed to have the full weights."""
         return self.mesh.shard_size > 1
+
+    @property
+    def materializes(self) -> bool:
+        """Whether the full weights live in their own buffer (gathered, or cast to the compute dtype)."""
+        return self.gathers or self.casts
 
     @property
     def is_sharded(self) -> bool:
@@ -115,25 +148,46 @@ class ShardUnit:
     # Runtime #
 
     def unshard(self) -> None:
-        """Gather the full weights into ``flat_unsharded`` (no-op if already unsharded)."""
+        """Gather the full weights into ``flat_unsharded`` and put the unsharded faces on the modules."""
         if self.state is UnitState.UNSHARDED:
             return
-        if self.gathers and self.sharded_numel > 0:
+        if self.materializes and self.sharded_numel > 0:
             with record_function(f"lightning_shard::unshard({self.name})"):
-                storage = self.flat_unsharded.untyped_storage()
-                storage.resize_(self.flat_unsharded.numel() * self.flat_unsharded.element_size())
-                gathered = torch.empty_like(self.flat_unsharded)
-                collectives.all_gather_flat(gathered, self.flat_sharded, self.mesh.shard_group)
-                # See [Note: unit states and autograd]: restore, don't modify, what autograd saved.
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
-                    torch.split_with_sizes_copy(
-                        gathered.view(self.mesh.shard_size, -1),
-                        [p.padded_shard_numel for p in self.params],
-                        dim=1,
-                        out=[p.padded_unsharded_view(self.flat_unsharded).view(self.mesh.shard_size, -1)
-                             for p in self.params],
-                    )
+                self._gather_into_unsharded()
         self.state = UnitState.UNSHARDED
+        for p in self.params:
+            p.expose_unsharded()
+
+    def _gather_into_unsharded(self) -> None:
+        n = self.mesh.shard_size
+        storage = self.flat_unsharded.untyped_storage()
+        storage.resize_(self.flat_unsharded.numel())
+        send = self._all_gather_input()
+        if self.gathers:
+            gathered = torch.empty(n * self.gather_bytes, dtype=torch.uint8, device=send.device)
+            collectives.all_gather_flat(gathered, send, self.mesh.shard_group)
+        else:
+            gathered = send
+        # See [Note: unit states and autograd]: restore, don't modify, what autograd saved.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
+            torch.split_with_sizes_copy(
+                gathered.view(n, -1),
+                [p.padded_gather_bytes for p in self.params],
+                dim=1,
+                out=[p.unsharded_region(self.flat_unsharded).view(n, -1) for p in self.params],
+            )
+
+    def _all_gather_input(self) -> Tensor:
+        """This rank's chunk as bytes: the sharded buffer itself, or a copy cast to the compute dtypes."""
+        if not self.casts:
+            return self.flat_sharded.view(torch.uint8)
+        send = torch.empty(self.gather_bytes, dtype=torch.uint8, device=self.flat_sharded.device)
+        with torch.no_grad():
+            for dtype, start, end, byte_start in self._cast_runs:
+                send[byte_start : byte_start + (end - start) * dtype.itemsize].view(dtype).copy_(
+                    self.flat_sharded[start:end]
+                )
+        return send
 
     def reshard(self) -> None:
         """Free the full weights and put the sharded faces back on the modules."""
@@ -141,13 +195,9 @@ class ShardUnit:
             return
         for p in self.params:
             p.expose_sharded()
-        if self.gathers:
+        if self.materializes:
             self.flat_unsharded.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
-
-    def expose_unsharded(self) -> None:
-        for p in self.params:
-            p.expose_unsharded()
 
     def reduce_grads(self) -> None:
         """Average the gradients on the unsharded faces over all data-parallel ranks into the sharded faces' grads."""
@@ -164,12 +214,14 @@ class ShardUnit:
         for p in self.trainable:
             p.unsharded.grad = None
         device = self.flat_sharded.device
+        present = {g.dtype for g in grads if g is not None}
+        in_dtype = present.pop() if len(present) == 1 else self.reduce_dtype  # _chunk_cat wants one input dtype
         # Each rank's chunk ends with k "was used" flags, so that after the sum every rank knows which
         # parameters got a gradient on some rank: those unused everywhere keep grad None, as with DDP.
-        used = torch.tensor([g is not None for g in grads], dtype=self.dtype, device=device)
-        chunked = torch.empty(n, self.grad_sharded_numel + k, dtype=self.dtype, device=device)
-        pieces = [p.grad_rows(g) for p, g in zip(self.trainable, grads)]
-        torch._chunk_cat([*pieces, used.expand(n, k)], dim=0, num_chunks=n, out=chunked)
+        used = torch.tensor([g is not None for g in grads], dtype=in_dtype, device=device)
+        chunked = torch.empty(n, self.grad_sharded_numel + k, dtype=self.reduce_dtype, device=device)
+        pieces = [p.grad_rows(g, in_dtype) for p, g in zip(self.trainable, grads)]
+        torch._chunk_cat([*pieces, used.expand(n, k)], dim=0, num_chunks=n, out=chunked)  # casts to reduce dtype
         del grads, pieces  # the unsharded gradients are copied: free them before communicating
         chunked.div_(mesh.world_size)  # DDP's order: divide, then sum (exact for power-of-two world sizes)
         if mesh.shard_group is not None:
@@ -179,11 +231,11 @@ class ShardUnit:
         if mesh.replicate_group is not None:
             collectives.all_reduce_sum(reduced, mesh.replicate_group)
         used_anywhere = (reduced[self.grad_sharded_numel :] > 0).tolist()
+        shard_grads = reduced if self.reduce_dtype == self.dtype else reduced[: self.grad_sharded_numel].to(self.dtype)
         for p, is_used in zip(self.trainable, used_anywhere):
             if not is_used:
                 continue
-            start = p.sharded_offset
-            grad = reduced[start : start + p.local_rows * p.row_numel].view(p.sharded.shape)
+            grad = shard_grads[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel].view(p.sharded.shape)
             if p.sharded.grad is None:
                 p.sharded.grad = grad
             else:
@@ -200,7 +252,6 @@ class ShardUnit:
             return args, kwargs
         self.on_pre_forward(self)
         self.unshard()
-        self.expose_unsharded()
         if torch.is_grad_enabled() and self.trainable:
             args, kwargs = _RegisterPostBackward.wrap_inputs(self, args, kwargs)
         return args, kwargs
@@ -230,6 +281,9 @@ class ShardUnit:
         if self.backward_state is BackwardState.IDLE:
             return
         self.reshard()  # the weights are not needed to reduce: free them first, lowering the peak
+        if self.hold_grads:
+            self.backward_state = BackwardState.HELD
+            return
         self.reduce_grads()
 
     # Initialization from full weights #
@@ -246,21 +300,23 @@ class ShardUnit:
     ) -> None:
         """Materialise the unit in full (one unit at a time), run ``reset_parameters()`` on the ``modules`` that own
         meta-device parameters, and keep this rank's rows; parameters not on the meta device keep their values."""
-        storage = self.flat_unsharded.untyped_storage()
-        storage.resize_(self.flat_unsharded.numel() * self.flat_unsharded.element_size())
-        self.expose_unsharded()
+        originals = {id(p): p.unsharded for p in self.params}
         with torch.no_grad():
-            for p in self.params:
-                if not full[id(p)].is_meta:
-                    p.unsharded.copy_(full[id(p)])
+            for p in self.params:  # full-size tensors in the parameter dtype, one unit at a time
+                source = full[id(p)]
+                p.unsharded = nn.Parameter(
+                    torch.empty(p.global_shape, dtype=p.dtype, device=device) if source.is_meta else source.to(device),
+                    requires_grad=p.requires_grad,
+                )
+                p.expose_unsharded()
             for m in modules:
                 for name, buf in m._buffers.items():
                     if buf is not None and buf.is_meta:
                         m._buffers[name] = torch.empty_like(buf, device=device)
                 m.reset_parameters()  # type: ignore[operator]
-            if self.gathers:
-                for p in self.params:
-                    p.copy_rows_from_full(p.unsharded)
+            for p in self.params:
+                p.copy_rows_from_full(p.unsharded)
+                p.unsharded = originals[id(p)]
         self.state = UnitState.UNSHARDED
         self.reshard()
 

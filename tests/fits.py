@@ -31,19 +31,21 @@ def full_params_shard(module: LitModel, strategy: ShardStrategy) -> dict[str, to
     return {fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params() for fqn in p.fqns}
 
 
-def fit_shard(rank: int, world_size: int, kind: str, steps: int = 10, **strategy_kwargs: Any) -> dict:
+def fit_shard(
+    rank: int, world_size: int, kind: str, steps: int = 10, trainer_kwargs: dict | None = None, **strategy_kwargs: Any
+) -> dict:
     L.seed_everything(0)
     module = LitModel(kind)
     strategy = ShardStrategy(auto_wrap_policy={block_class(kind)}, **strategy_kwargs)
-    trainer = trainer_for(strategy, world_size, steps)
+    trainer = trainer_for(strategy, world_size, steps, **(trainer_kwargs or {}))
     trainer.fit(module, train_dataloaders=loader(kind))
     return {"losses": module.losses, "params": full_params_shard(module, strategy)}
 
 
-def fit_ddp(rank: int, world_size: int, kind: str, steps: int = 10) -> dict:
+def fit_ddp(rank: int, world_size: int, kind: str, steps: int = 10, trainer_kwargs: dict | None = None) -> dict:
     L.seed_everything(0)
     module = LitModel(kind)
-    trainer = trainer_for(DDPStrategy(), world_size, steps)
+    trainer = trainer_for(DDPStrategy(), world_size, steps, **(trainer_kwargs or {}))
     trainer.fit(module, train_dataloaders=loader(kind))
     params = {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False)}
     return {"losses": module.losses, "params": params}

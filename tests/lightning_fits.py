@@ -117,8 +117,8 @@ def meta_configure_model(rank: int, world_size: int) -> dict[str, Any]:
     full = {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
     return {"built_on_meta": module.built_on_meta, "losses": module.losses, "tied": tied, "full": full,
             "initial": module.initial,
-            "largest_unit": max(u.flat_unsharded.numel() for u in engine.units),
-            "model_numel": sum(p.numel for p in engine.sharded_params())}
+            "largest_unit_bytes": max(u.flat_unsharded.nbytes for u in engine.units),
+            "model_bytes": sum(p.numel * p.dtype.itemsize for p in engine.sharded_params())}
 
 
 def ddp_from_weights(rank: int, world_size: int, weights: dict[str, Tensor]) -> dict[str, Any]:
@@ -166,15 +166,3 @@ def raising_mesh(rank: int, world_size: int) -> str:
     except ValueError as err:
         return str(err)
     return ""
-
-
-def clipped_fit(rank: int, world_size: int, algorithm: str, use_ddp: bool) -> list[float] | str:
-    L.seed_everything(0)
-    module = LitModel("mlp")
-    strategy = DDPStrategy() if use_ddp else ShardStrategy(auto_wrap_policy={MLPBlock})
-    trainer = trainer_for(strategy, world_size, steps=10, gradient_clip_val=0.001, gradient_clip_algorithm=algorithm)
-    try:
-        trainer.fit(module, train_dataloaders=loader("mlp"))
-    except ValueError as err:
-        return str(err)
-    return module.losses

@@ -245,11 +245,11 @@ def meta_device_init(rank: int, world_size: int) -> dict:
         model = MetaInit()
     torch.manual_seed(5)
     engine = _shard(model, "FULL_SHARD", {nn.Linear})
-    peak_unsharded = max(u.flat_unsharded.numel() for u in engine.units)
+    peak_unsharded = max(u.flat_unsharded.nbytes for u in engine.units)
     full = {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
     assert all(not p.sharded.is_meta for p in engine.sharded_params())
-    return {"full": full, "largest_unit": peak_unsharded,
-            "model_numel": sum(p.numel for p in engine.sharded_params())}
+    return {"full": full, "largest_unit_bytes": peak_unsharded,
+            "model_bytes": sum(p.numel * p.dtype.itemsize for p in engine.sharded_params())}
 
 
 def test_meta_device_init_through_reset_parameters() -> None:
@@ -260,7 +260,7 @@ def test_meta_device_init_through_reset_parameters() -> None:
             bound = 1 / math.sqrt(16)
             assert t.abs().max() <= bound and t.std() > bound / 4, name  # nn.Linear's kaiming-uniform init ran
     assert results[0]["full"]["norm.weight"].eq(1).all()
-    assert results[0]["largest_unit"] < results[0]["model_numel"] / 2  # never the whole model at once
+    assert results[0]["largest_unit_bytes"] < results[0]["model_bytes"] / 2  # never the whole model at once
 
 
 class NoReset(nn.Module):

@@ -1,0 +1,45 @@
+"""Gradient clipping by the global norm of sharded gradients: one all-reduce, the same norm on every rank."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from lightning_shard import collectives
+from lightning_shard.mesh import ShardMesh
+
+
+def clip_grad_norm_(
+    shards: Iterable[Tensor], mesh: ShardMesh, device: torch.device, max_norm: float, norm_type: float = 2.0
+) -> Tensor:
+    """Scale the gradients of ``shards`` so that their global norm is at most ``max_norm``; return that norm.
+
+    The norm covers every rank's rows (summed over the shard group; replicas hold identical shards, so
+    they compute the identical value), as ``torch.nn.utils.clip_grad_norm_`` computes it on a replicated model.
+    """
+    grads = [p.grad for p in shards if p.grad is not None]
+    total = _local_norm_term(grads, norm_type, device)
+    if mesh.shard_group is not None:
+        if math.isinf(norm_type):
+            collectives.all_reduce_max(total, mesh.shard_group)
+        else:
+            collectives.all_reduce_sum(total, mesh.shard_group)
+    if not math.isinf(norm_type):
+        total = total.pow(1.0 / norm_type)
+    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, clip_coef)
+    return total
+
+
+def _local_norm_term(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """This rank's contribution: the max of |g| for the inf-norm, else the sum of per-tensor norms ** p."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)]).to(device)
+    if math.isinf(norm_type):
+        return norms.max()
+    return norms.pow(norm_type).sum()
