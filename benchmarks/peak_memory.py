@@ -1,11 +1,14 @@
-"""Peak resident memory per rank: ShardStrategy's engine against PyTorch's fully_shard, meta-device init.
+"""Peak resident memory per rank: ShardStrategy's engine against PyTorch's fully_shard, meta-device init,
+with and without activation checkpointing, and the two grad_sync modes under gradient accumulation.
 
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python benchmarks/peak_memory.py
 
-Each engine runs in fresh processes (2 gloo ranks, one thread each) so that peaks do not mix:
+Each variant runs in fresh processes (2 gloo ranks, one thread each) so that peaks do not mix:
 build a 25M-parameter GPT (d=512, 8 blocks, ctx 64) on the meta device, shard and initialise it,
-then train 3 AdamW steps on batch 8. The peak is the process's maximum RSS minus its RSS after
-imports; MALLOC_MMAP_THRESHOLD_ makes freed tensors go back to the OS so RSS follows live memory.
+then train 3 AdamW steps on batch 8 (the grad_sync variants: 4 micro-batches of 8 per step). The
+peak is the process's maximum RSS minus its RSS after imports; MALLOC_MMAP_THRESHOLD_ makes freed
+tensors go back to the OS so RSS follows live memory. Gradient-reduction bytes per optimizer step
+are counted where they reach torch.distributed.
 """
 
 from __future__ import annotations
@@ -60,14 +63,25 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _worker(rank: int, engine: str, port: int, out: mp.Queue) -> None:
+VARIANTS = {
+    "shard": {},
+    "shard + activation checkpointing": {"checkpointing": True},
+    "fully_shard": {"fully_shard": True},
+    "shard, accumulate 4, grad_sync=microbatch": {"accumulate": 4},
+    "shard, accumulate 4, grad_sync=step": {"accumulate": 4, "hold": True},
+}
+
+
+def _worker(rank: int, variant: str, port: int, out: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
+    options = VARIANTS[variant]
     # Both engines' imports happen before the baseline, so only model state and activations are measured.
     from torch.distributed.fsdp import fully_shard
 
+    from lightning_shard.activation_checkpointing import apply_activation_checkpointing
     from lightning_shard.engine import shard_module
     from lightning_shard.mesh import build_shard_mesh
     from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
@@ -75,11 +89,8 @@ def _worker(rank: int, engine: str, port: int, out: mp.Queue) -> None:
     baseline = _rss_mb()
     with torch.device("meta"):
         model = GPT()
-    if engine == "shard":
-        strategy = ShardingStrategy.FULL_SHARD
-        shard_module(model, build_shard_mesh(strategy, None), strategy, resolve_wrap_policy({Block}),
-                     torch.device("cpu"))
-    else:
+    engine = None
+    if options.get("fully_shard"):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -87,26 +98,45 @@ def _worker(rank: int, engine: str, port: int, out: mp.Queue) -> None:
         for m in model.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
+    else:
+        strategy, policy = ShardingStrategy.FULL_SHARD, resolve_wrap_policy({Block})
+        engine = shard_module(model, build_shard_mesh(strategy, None), strategy, policy, torch.device("cpu"))
+        if options.get("checkpointing"):
+            apply_activation_checkpointing(model, policy)
+    reduced = 0
+    original_all_reduce = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal reduced
+        reduced += tensor.numel() * tensor.element_size()
+        return original_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
+    accumulate = options.get("accumulate", 1)
     for _ in range(3):
-        idx = torch.randint(0, VOCAB, (BATCH, CTX + 1), generator=g)
-        loss = F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
-        loss.backward()
+        for micro in range(accumulate):
+            if engine is not None:  # what ShardStrategy.block_backward_sync does for grad_sync="step"
+                engine.hold_gradients(bool(options.get("hold")) and micro < accumulate - 1)
+            idx = torch.randint(0, VOCAB, (BATCH, CTX + 1), generator=g)
+            loss = F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    dist.all_reduce = original_all_reduce
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put((rank, peak - baseline))
+    out.put((rank, peak - baseline, reduced / 3 / 2**20))
     dist.destroy_process_group()
 
 
-def run_once(engine: str, port: int) -> list[float]:
+def run_once(variant: str, port: int) -> list[tuple[float, float]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, engine, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, variant, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=600) for _ in procs)
+    results = {rank: (peak, reduced) for rank, peak, reduced in (out.get(timeout=900) for _ in procs)}
     for p in procs:
         p.join()
     return [results[r] for r in range(2)]
@@ -115,25 +145,31 @@ def run_once(engine: str, port: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engine", choices=["shard", "fully_shard"])
+    parser.add_argument("--variant", choices=list(VARIANTS))
     parser.add_argument("--port", type=int, default=29600)
     args = parser.parse_args()
-    if args.engine:  # one measurement in this fresh process
-        print(" ".join(f"{x:.1f}" for x in run_once(args.engine, args.port)))
+    if args.variant:  # one measurement in this fresh process: "peak reduce_mib_per_step"
+        results = run_once(args.variant, args.port)
+        print(max(p for p, _ in results), results[0][1])
         return
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    peaks: dict[str, list[float]] = {"shard": [], "fully_shard": []}
-    for i in range(args.repeats):  # alternate, so drift on a shared machine hits both alike
-        for engine in peaks:
-            cmd = [sys.executable, __file__, "--engine", engine, "--port", str(args.port + 2 * i + len(peaks[engine]))]
-            line = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()
-            peaks[engine].append(max(float(x) for x in line))
+    peaks: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    reduced: dict[str, float] = {}
+    port = args.port
+    for _ in range(args.repeats):  # alternate, so drift on a shared machine hits every variant alike
+        for variant in VARIANTS:
+            port += 1
+            cmd = [sys.executable, __file__, "--variant", variant, "--port", str(port)]
+            peak, mib = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()[-2:]
+            peaks[variant].append(float(peak))
+            reduced[variant] = float(mib)
     model_mb = sum(p.numel() for p in GPT().parameters()) * 4 / 2**20
     print(f"GPT: {model_mb:.1f} MiB of fp32 parameters; 2 ranks; peak RSS above baseline per rank (max of ranks)")
-    print("| engine | median peak (MiB) | runs |")
-    print("|---|---|---|")
-    for engine, values in peaks.items():
-        print(f"| {engine} | {statistics.median(values):.0f} | {', '.join(f'{v:.0f}' for v in values)} |")
+    print("| variant | median peak (MiB) | runs | gradient all-reduce MiB per optimizer step (gloo) |")
+    print("|---|---|---|---|")
+    for variant, values in peaks.items():
+        runs = ", ".join(f"{v:.0f}" for v in values)
+        print(f"| {variant} | {statistics.median(values):.0f} | {runs} | {reduced[variant]:.0f} |")
 
 
 if __name__ == "__main__":
