@@ -165,3 +165,37 @@ def test_unknown_precision_names_the_supported_ones() -> None:
         assert "bf16-mixed" in str(err) and "16-true" in str(err)
     else:
         raise AssertionError("64-true was accepted")
+
+
+class WithBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("offset", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.offset
+
+
+def mixed_options(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_shard.engine import shard_module
+    from lightning_shard.mesh import build_shard_mesh
+    from lightning_shard.policies import ShardingStrategy
+
+    torch.manual_seed(0)
+    model = WithBuffer()
+    mixed = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32", buffer_dtype="bfloat16",
+                           output_dtype="float32", cast_forward_inputs=True)
+    strategy = ShardingStrategy.FULL_SHARD
+    engine = shard_module(model, build_shard_mesh(strategy, None), strategy, None, torch.device("cpu"), mixed)
+    out = model(torch.randn(2, 4))  # fp32 input, no autocast: cast to bf16 on the way in
+    out.sum().backward()
+    weight = engine.root_unit.params[0]
+    return {"out": out.dtype, "buffer": model.offset.dtype, "compute": weight.unsharded.dtype,
+            "master": weight.sharded.dtype, "grad": weight.sharded.grad.dtype}
+
+
+def test_buffer_output_and_input_dtypes() -> None:
+    for r in run_on_ranks(mixed_options, 2):
+        assert r == {"out": torch.float32, "buffer": torch.bfloat16, "compute": torch.bfloat16,
+                     "master": torch.float32, "grad": torch.float32}
