@@ -152,8 +152,9 @@ class ShardStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> ShardPrecision:
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, ShardPrecision) else ShardPrecision("32-true")
+        if not isinstance(self._precision_plugin, ShardPrecision):
+            self._precision_plugin = ShardPrecision("32-true")
+        return self._precision_plugin
 
     @precision_plugin.setter
     @override
