@@ -6,6 +6,9 @@ Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_shard.checkpoint_format import CheckpointError
+from lightning_shard.checkpoint_load import LoadResult, load_safetensors_into
+from lightning_shard.consolidate import CheckpointSummary, consolidate, inspect
 from lightning_shard.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
 from lightning_shard.mixed_precision import MixedPrecision
 from lightning_shard.policies import (
@@ -24,6 +27,9 @@ ShardStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "CallableWrapPolicy",
+    "CheckpointError",
+    "CheckpointSummary",
+    "LoadResult",
     "GradSync",
     "MemoryReport",
     "MixedPrecision",
@@ -36,4 +42,7 @@ __all__ = [
     "ShardingStrategy",
     "SizeWrapPolicy",
     "__version__",
+    "consolidate",
+    "inspect",
+    "load_safetensors_into",
 ]

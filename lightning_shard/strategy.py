@@ -4,9 +4,11 @@ engine, and routes Lightning's hooks to it; the sharding itself lives in ``engin
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -23,28 +25,28 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.activation_checkpointing import apply_activation_checkpointing
+from lightning_shard.checkpoint_load import (
+    ShardedCheckpointSource,
+    load_model,
+    load_optimizers,
+    load_trainer_state,
+)
+from lightning_shard.checkpoint_save import StateDictType, agree, save_checkpoint_dir
 from lightning_shard.clipping import clip_grad_norm_
 from lightning_shard.engine import ShardedModule, shard_module
-from lightning_shard.full_state import (
-    full_model_state_dict,
-    full_optimizer_state_dict,
-    load_full_model_state_dict,
-    load_full_optimizer_state_dict,
-)
 from lightning_shard.memory import MemoryReport, memory_report
 from lightning_shard.mesh import ShardMesh, build_shard_mesh, mesh_shape
 from lightning_shard.mixed_precision import MixedPrecision
@@ -85,6 +87,9 @@ class ShardStrategy(ParallelStrategy):
         grad_sync: with ``accumulate_grad_batches`` > 1, ``"microbatch"`` (default) reduce-scatters after every
             micro-batch, keeping gradients sharded; ``"step"`` accumulates full gradients locally and reduces once
             per optimizer step (less communication, more memory).
+        state_dict_type: ``"sharded"`` (default): checkpoints are directories where every rank writes its own rows
+            in safetensors; ``"full"``: rank 0 streams the gathered model into one ``model.safetensors`` (and the
+            optimizer into ``optimizer.safetensors``). Both load at any world size.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: timeout of the process group's collectives.
     """
@@ -107,6 +112,7 @@ class ShardStrategy(ParallelStrategy):
         mixed_precision: MixedPrecision | None = None,
         activation_checkpointing_policy: WrapPolicySpec = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
+        state_dict_type: Literal["sharded", "full"] = "sharded",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -124,6 +130,7 @@ class ShardStrategy(ParallelStrategy):
         self.mixed_precision = mixed_precision
         self._checkpointing_policy = resolve_wrap_policy(activation_checkpointing_policy)
         self.grad_sync = GradSync.parse(grad_sync)
+        self._state_dict_type = StateDictType.parse(state_dict_type)
         self._mesh: ShardMesh | None = None
         self._engine: ShardedModule | None = None
         self._owns_process_group = False
@@ -356,34 +363,96 @@ class ShardStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # Checkpoints: full (consolidated) state, so Lightning's checkpoints load at any world size #
+    # Checkpoints: directories of safetensors and JSON (see docs/checkpoint_format.md) #
 
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        """Load checkpoints after the model is sharded: each rank keeps only its rows."""
+        """Load checkpoints after the model is sharded: each rank reads only its rows."""
         return True
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Deliberately empty: ``save_checkpoint`` writes the model from the shards themselves."""
+        return {}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Deliberately empty: ``save_checkpoint`` writes each optimizer's sharded state itself."""
+        return {}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Write a checkpoint directory at ``filepath``: sharded safetensors (``state_dict_type="sharded"``) or
+        one ``model.safetensors`` (``"full"``), plus JSON, atomically. Collective: every rank must call it."""
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: checkpoints are"
+                f" directories of safetensors files written by every rank, not through a CheckpointIO plugin."
+            )
+        self._refuse_custom_checkpoint_io()
         assert self.lightning_module is not None
-        return full_model_state_dict(self.engine, self.lightning_module)
+        path = Path(self.broadcast(str(filepath)))
+        layout = self._state_dict_type
+        save_checkpoint_dir(self.engine, self.lightning_module, self.optimizers, checkpoint, path, layout)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read the trainer state and index of a checkpoint directory (model and optimizer tensors are read into the
+        shards later, by ``load_model_state_dict`` and ``load_optimizer_state_dict``). Never unpickles."""
+        directory = Path(self.broadcast(str(checkpoint_path)))
+        state, index = agree(lambda: load_trainer_state(directory))
+        source = ShardedCheckpointSource(directory, index)
+        state["state_dict"] = source
+        if index.get("optimizers"):
+            state["optimizer_states"] = [source] * len(index["optimizers"])
+        return state
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        load_full_model_state_dict(self.engine, self.lightning_module, checkpoint["state_dict"], strict=strict)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return full_optimizer_state_dict(self.engine, optimizer)
+        source = checkpoint["state_dict"]
+        if not isinstance(source, ShardedCheckpointSource):
+            raise TypeError(
+                "ShardStrategy loads model state from its checkpoint directories; to load a plain model file use"
+                " lightning_shard.load_safetensors_into()."
+            )
+        result = load_model(self.engine, self.lightning_module, source.directory, source.index, strict=strict)
+        if result.missing_keys or result.unexpected_keys:
+            rank_zero_warn(
+                f"Loaded {source.directory} with strict=False: missing keys {result.missing_keys},"
+                f" unexpected keys {result.unexpected_keys}."
+            )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_full_optimizer_state_dict(self.engine, optimizer, state)
+        sources = checkpoint["optimizer_states"]
+        if sources:
+            assert self.lightning_module is not None
+            strict = self.lightning_module.strict_loading
+            load_optimizers(self.engine, self.optimizers, sources[0].directory, sources[0].index, strict=strict)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint directory (ModelCheckpoint's ``save_top_k``)."""
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+
+    def _refuse_custom_checkpoint_io(self) -> None:
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        io = self._checkpoint_io
+        if io is not None and type(io) is not TorchCheckpointIO:
+            raise TypeError(
+                f"ShardStrategy writes checkpoints itself (safetensors and JSON from every rank); the CheckpointIO"
+                f" plugin {type(io).__name__} would not be used. Remove it from the Trainer's plugins."
+            )
 
     # Reporting #
 

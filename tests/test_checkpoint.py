@@ -1,0 +1,302 @@
+"""Sharded safetensors checkpoints: exact resume, resharding to any world size, full layout, atomic saves,
+consolidation, and bad input failing fast on every rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_shard import consolidate, inspect
+from lightning_shard.checkpoint_format import INDEX_FILE
+from lightning_shard.testing import RankFailure, run_on_ranks
+from tests.checkpoint_fits import fit, global_losses
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A 2-rank run of 2 epochs, and a 2-rank run of 1 epoch whose last.ckpt the tests resume from."""
+    root = tmp_path_factory.mktemp("ckpt")
+    uninterrupted = run_on_ranks(fit, 2, str(root / "full_run"), 2)
+    first = run_on_ranks(fit, 2, str(root / "first"), 1)
+    return {"root": root, "uninterrupted": uninterrupted, "first": first, "ckpt": root / "first" / "last.ckpt"}
+
+
+def test_directory_holds_only_safetensors_and_json(saved: dict) -> None:
+    files = sorted(p.name for p in saved["ckpt"].iterdir())
+    assert files == ["index.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors",
+                     "trainer_state.json", "trainer_state.safetensors"]
+    index = json.loads((saved["ckpt"] / INDEX_FILE).read_text())
+    entry = index["tensors"]["model/model.wte.weight"]
+    assert entry["shape"] == [37, 16] and [p["rows"] for p in entry["pieces"]] == [[0, 19], [19, 37]]
+    assert index["ties"] == {"model/model.lm_head.weight": "model/model.wte.weight"}
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path: Path, saved: dict) -> None:
+    resumed = run_on_ranks(fit, 2, str(tmp_path), 2, str(saved["ckpt"]))
+    for full, part1, part2 in zip(saved["uninterrupted"], saved["first"], resumed):
+        assert len(part1["losses"]) == 8 and len(part2["losses"]) == 8
+        torch.testing.assert_close(torch.tensor(part1["losses"] + part2["losses"]), torch.tensor(full["losses"]))
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategy_kwargs"),
+    [(1, {}), (3, {}), (4, {}), (3, {"sharding_strategy": "SHARD_GRAD_OP", "auto_wrap_policy": None}),
+     (4, {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 2), "auto_wrap_policy": 500})],
+)
+def test_resharded_resume_matches_the_uninterrupted_run(
+    tmp_path: Path, saved: dict, world_size: int, strategy_kwargs: dict
+) -> None:
+    resumed = run_on_ranks(fit, world_size, str(tmp_path), 2, str(saved["ckpt"]), 12, strategy_kwargs)
+    end_of_first = saved["first"][0]["end"]
+    for r in resumed:  # model and optimizer state arrive whole, whatever the new layout
+        for name, t in end_of_first["params"].items():
+            torch.testing.assert_close(r["start"]["params"][name], t, msg=name)
+        for name, t in end_of_first["optimizer"].items():
+            torch.testing.assert_close(r["start"]["optimizer"][name], t, msg=name)
+    expected = global_losses(saved["uninterrupted"])[8:]
+    torch.testing.assert_close(global_losses(resumed), expected, rtol=0, atol=1e-5)
+
+
+def test_full_layout_streams_one_model_file_that_loads_anywhere(tmp_path: Path, saved: dict) -> None:
+    run_on_ranks(fit, 2, str(tmp_path / "full"), 1, None, 12, {"state_dict_type": "full"})
+    ckpt = tmp_path / "full" / "last.ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["index.json", "model.safetensors", "optimizer.safetensors",
+                                                      "trainer_state.json", "trainer_state.safetensors"]
+    weights = load_file(str(ckpt / "model.safetensors"))
+    for name, t in saved["first"][0]["end"]["params"].items():
+        if name != "model.lm_head.weight":  # tied: stored once, as model.wte.weight
+            torch.testing.assert_close(weights[name], t, msg=name)
+    resumed = run_on_ranks(fit, 4, str(tmp_path / "again"), 2, str(ckpt), 12)
+    torch.testing.assert_close(global_losses(resumed), global_losses(saved["uninterrupted"])[8:], rtol=0, atol=1e-5)
+
+
+def test_consolidated_model_equals_ddp_after_the_same_training(tmp_path: Path, saved: dict) -> None:
+    out = consolidate(saved["root"] / "full_run" / "last.ckpt", tmp_path / "model.safetensors")
+    weights = load_file(str(out))
+    reference = run_on_ranks(fit_ddp_same_data, 2)
+    for name, t in reference[0].items():
+        if name == "model.lm_head.weight":
+            continue
+        torch.testing.assert_close(weights[name], t, rtol=0, atol=1e-5, msg=name)
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as f:
+        assert json.loads(f.metadata()["ties"]) == {"model.lm_head.weight": "model.wte.weight"}
+
+
+def fit_ddp_same_data(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader
+
+    from tests.models import LitModel, make_dataset
+
+    L.seed_everything(0)
+    module = LitModel("gpt")
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=DDPStrategy(), max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=DataLoader(make_dataset("gpt"), batch_size=6, shuffle=False))
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def test_inspect_and_cli(saved: dict, tmp_path: Path) -> None:
+    summary = inspect(saved["ckpt"])
+    assert summary.world_size == 2 and summary.global_step == 8 and summary.problems == []
+    assert "model/model.wte.weight" in summary.tensors
+    cli = [sys.executable, "-m", "lightning_shard.cli"]
+    shown = subprocess.run([*cli, "inspect", str(saved["ckpt"])], capture_output=True, text=True)
+    assert shown.returncode == 0 and "verified: OK" in shown.stdout
+    out = tmp_path / "m.safetensors"
+    done = subprocess.run([*cli, "consolidate", str(saved["ckpt"]), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0 and load_file(str(out))["model.wte.weight"].shape == (37, 16)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_shard_fails_fast_on_every_rank_naming_the_file(tmp_path: Path, saved: dict) -> None:
+    ckpt = _copy(saved["ckpt"], tmp_path / "bad")
+    shard = ckpt / "shard-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(fit, 2, str(tmp_path / "out"), 2, str(ckpt), timeout=120)
+    text = str(failure.value)
+    assert text.count("shard-00001-of-00002.safetensors") >= 2 and "truncated" in text  # both ranks, the file named
+
+
+def test_corrupted_bytes_are_caught_by_the_checksum(tmp_path: Path, saved: dict) -> None:
+    ckpt = _copy(saved["ckpt"], tmp_path / "bad")
+    shard = ckpt / "shard-00000-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF  # same size, one flipped byte in the last tensor
+    shard.write_bytes(bytes(data))
+    with pytest.raises(RankFailure, match="corrupted"):
+        run_on_ranks(fit, 2, str(tmp_path / "out"), 2, str(ckpt), timeout=120)
+    assert inspect(ckpt).problems
+
+
+def test_missing_file_and_unknown_version_are_named(tmp_path: Path, saved: dict) -> None:
+    missing = _copy(saved["ckpt"], tmp_path / "missing")
+    (missing / "shard-00001-of-00002.safetensors").unlink()
+    with pytest.raises(RankFailure, match="shard-00001-of-00002.safetensors is missing"):
+        run_on_ranks(fit, 2, str(tmp_path / "o1"), 2, str(missing), timeout=120)
+    future = _copy(saved["ckpt"], tmp_path / "future")
+    index = json.loads((future / INDEX_FILE).read_text())
+    index["version"] = 99
+    (future / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(RankFailure, match="format version 99"):
+        run_on_ranks(fit, 2, str(tmp_path / "o2"), 2, str(future), timeout=120)
+
+
+def test_shape_mismatch_names_the_keys(tmp_path: Path, saved: dict) -> None:
+    ckpt = _copy(saved["ckpt"], tmp_path / "other")
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    index["tensors"]["model/model.wte.weight"]["shape"] = [40, 16]
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(RankFailure, match=r"model.wte.weight: checkpoint \(40, 16\), model \(37, 16\)"):
+        run_on_ranks(fit, 2, str(tmp_path / "o"), 2, str(ckpt), timeout=120)
+
+
+def failing_save(rank: int, world_size: int, ckpt_dir: str) -> str:
+    """Save once, then make rank 1 fail while writing its shard of a second save to the same path."""
+    from lightning_shard import checkpoint_format
+
+    result = fit(rank, world_size, ckpt_dir, 1)
+    del result
+    import lightning as L
+
+    from lightning_shard import ShardStrategy
+    from tests.checkpoint_fits import Snapshots
+    from tests.models import loader
+
+    L.seed_everything(1)
+    module = Snapshots("gpt")
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
+                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=loader("gpt"))
+    original = checkpoint_format.SafetensorsStreamWriter.write
+
+    def broken(self, name, tensor):  # noqa: ANN001, ANN202
+        if rank == 1:
+            raise OSError("disk full")
+        return original(self, name, tensor)
+
+    checkpoint_format.SafetensorsStreamWriter.write = broken
+    try:
+        trainer.save_checkpoint(f"{ckpt_dir}/last.ckpt")
+    except Exception as err:  # noqa: BLE001 - the test inspects the message
+        return str(err)
+    finally:
+        checkpoint_format.SafetensorsStreamWriter.write = original
+    return ""
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> None:
+    messages = run_on_ranks(failing_save, 2, str(tmp_path))
+    for message in messages:
+        assert "rank 1: OSError: disk full" in message  # raised on every rank, not only the failing one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary directory left behind
+    assert inspect(tmp_path / "last.ckpt").problems == []
+    assert inspect(tmp_path / "last.ckpt").global_step == 8  # the first save's, untouched
+
+
+def top_k(rank: int, world_size: int, ckpt_dir: str) -> list[str]:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_shard import ShardStrategy
+    from tests.models import LitModel, loader
+
+    class Logged(LitModel):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+    L.seed_everything(0)
+    callback = ModelCheckpoint(dirpath=ckpt_dir, monitor="train_loss", save_top_k=1, every_n_train_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
+                        max_steps=8, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback])
+    trainer.fit(Logged("gpt"), train_dataloaders=loader("gpt"))
+    return [callback.best_model_path]
+
+
+def test_model_checkpoint_top_k_removes_old_directories(tmp_path: Path) -> None:
+    best = run_on_ranks(top_k, 2, str(tmp_path))[0][0]
+    assert [p.name for p in tmp_path.iterdir()] == [Path(best).name]
+    assert inspect(best).problems == []
+
+
+def strict_false(rank: int, world_size: int, ckpt: str) -> list[str]:
+    import lightning as L
+
+    from lightning_shard import ShardStrategy
+    from tests.models import LitModel, loader
+
+    class Extra(LitModel):
+        def __init__(self) -> None:
+            super().__init__("gpt")
+            self.extra = torch.nn.Linear(2, 2)  # not in the checkpoint
+            self.strict_loading = False
+
+    L.seed_everything(0)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
+                        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.warns(UserWarning, match=r"missing keys \['extra.bias', 'extra.weight'\]") if rank == 0 else \
+            _nothing():
+        trainer.fit(Extra(), train_dataloaders=loader("gpt"), ckpt_path=ckpt)
+    return []
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_strict_false_loads_what_matches_and_reports_the_rest(saved: dict) -> None:
+    run_on_ranks(strict_false, 2, str(saved["ckpt"]))
+
+
+def from_model_file(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    import lightning as L
+
+    from lightning_shard import ShardStrategy, load_safetensors_into
+    from tests.checkpoint_fits import full_state
+    from tests.models import LitModel, loader
+
+    class FineTune(LitModel):
+        def on_fit_start(self) -> None:
+            load_safetensors_into(self, path)  # keys already carry the LightningModule's "model." prefix
+            self.loaded = full_state(self.trainer.strategy)["params"]
+
+    L.seed_everything(5)
+    module = FineTune("gpt")
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=loader("gpt"))
+    return module.loaded
+
+
+def test_a_plain_safetensors_model_file_loads_into_the_sharded_model(tmp_path: Path, saved: dict) -> None:
+    out = consolidate(saved["ckpt"], tmp_path / "model.safetensors")
+    weights = load_file(str(out))
+    for loaded in run_on_ranks(from_model_file, 4, str(out)):
+        for name, t in weights.items():
+            torch.testing.assert_close(loaded[name], t, msg=name)
