@@ -74,7 +74,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def crc32(tensor: Tensor) -> int:
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data.tobytes()) & 0xFFFFFFFF
+    return zlib.crc32(data.data) & 0xFFFFFFFF
 
 
 def sha256_file(path: Path) -> str:
@@ -117,12 +117,12 @@ class SafetensorsStreamWriter:
     def write(self, name: str, tensor: Tensor) -> int:
         """Append ``tensor``'s bytes; return their CRC-32."""
         expected_name, nbytes = self._expected[self._next]
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        if name != expected_name or len(data) != nbytes:
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # no copy of the bytes
+        if name != expected_name or data.nbytes != nbytes:
             raise CheckpointError(f"Internal error: expected {expected_name} ({nbytes} bytes), got {name}.")
-        self._file.write(data)
+        self._file.write(data.data)
         self._next += 1
-        return zlib.crc32(data) & 0xFFFFFFFF
+        return zlib.crc32(data.data) & 0xFFFFFFFF
 
     def close_quietly(self) -> None:
         """Close after a failure, without the completeness check."""

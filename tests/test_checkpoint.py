@@ -300,3 +300,61 @@ def test_a_plain_safetensors_model_file_loads_into_the_sharded_model(tmp_path: P
     for loaded in run_on_ranks(from_model_file, 4, str(out)):
         for name, t in weights.items():
             torch.testing.assert_close(loaded[name], t, msg=name)
+
+
+def fp16_save_and_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    import lightning as L
+
+    from lightning_shard import ShardPrecision, ShardStrategy
+    from tests.models import LitModel, loader
+
+    def trainer(epochs: int) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
+                         max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[ShardPrecision("16-mixed")], default_root_dir=ckpt_dir)
+
+    L.seed_everything(0)
+    first = trainer(1)
+    first.fit(LitModel("gpt"), train_dataloaders=loader("gpt"))
+    first.precision_plugin.scaler.update(new_scale=1234.0)
+    first.save_checkpoint(f"{ckpt_dir}/fp16.ckpt")
+    second = trainer(2)
+    second.fit(LitModel("gpt"), train_dataloaders=loader("gpt"), ckpt_path=f"{ckpt_dir}/fp16.ckpt")
+    return {"restored_scale_was_used": second.precision_plugin.scaler.get_scale() != 65536.0}
+
+
+def test_loss_scaler_state_is_saved_and_restored(tmp_path: Path) -> None:
+    for r in run_on_ranks(fp16_save_and_resume, 2, str(tmp_path)):
+        assert r["restored_scale_was_used"]
+    state = json.loads((tmp_path / "fp16.ckpt" / "trainer_state.json").read_text())
+    assert state["ShardPrecision"]["scale"] == 1234.0
+
+
+def refused_saves(rank: int, world_size: int, ckpt_dir: str) -> list[str]:
+    import lightning as L
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from lightning_shard import ShardStrategy
+    from tests.models import LitModel, loader
+
+    class CustomIO(TorchCheckpointIO):
+        pass
+
+    messages = []
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LitModel("mlp"), train_dataloaders=loader("mlp"))
+    for call in (lambda: trainer.save_checkpoint(f"{ckpt_dir}/a", storage_options={"x": 1}),
+                 lambda: (setattr(trainer.strategy, "checkpoint_io", CustomIO()),
+                          trainer.save_checkpoint(f"{ckpt_dir}/b"))):
+        try:
+            call()
+        except TypeError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_storage_options_and_custom_checkpoint_io_are_refused(tmp_path: Path) -> None:
+    for messages in run_on_ranks(refused_saves, 2, str(tmp_path)):
+        assert len(messages) == 2 and "storage_options" in messages[0] and "CustomIO" in messages[1]
+    assert list(tmp_path.iterdir()) == []  # nothing written
