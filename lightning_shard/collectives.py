@@ -9,6 +9,9 @@ followed by taking this rank's chunk (same result, same summation as DDP's all-r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -16,25 +19,39 @@ from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
 
-def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup) -> None:
+class Pending:
+    """A collective that has been issued and may still be running; ``wait()`` returns its result."""
+
+    def __init__(self, work: Any, finish: Callable[[], Tensor | None]) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> Tensor | None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._finish()
+
+
+def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup, async_op: bool = False) -> Pending:
     """Fill ``output`` (1D, ``group size * shard.numel()``) with every rank's ``shard``, rank-major."""
     with record_function("lightning_shard::all_gather"):
-        dist.all_gather_single(output, shard, group=group)
+        work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
+    return Pending(work, lambda: output)
 
 
-def reduce_scatter_sum(full: Tensor, group: ProcessGroup, group_rank: int) -> Tensor:
-    """Sum ``full`` (1D, ``group size`` equal chunks) over the group and return this rank's chunk as a new tensor.
+def reduce_scatter_sum(full: Tensor, group: ProcessGroup, group_rank: int, async_op: bool = False) -> Pending:
+    """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (new tensor).
 
     ``full`` is clobbered on backends where the reduction runs in place.
     """
     group_size = dist.get_world_size(group)
     with record_function("lightning_shard::reduce_scatter"):
         if dist.get_backend(group) == "gloo":
-            dist.all_reduce(full, group=group)
-            return full.view(group_size, -1)[group_rank].clone()
+            work = dist.all_reduce(full, group=group, async_op=async_op)
+            return Pending(work, lambda: full.view(group_size, -1)[group_rank].clone())
         out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_single(out, full, group=group)
-        return out
+        work = dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
+        return Pending(work, lambda: out)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:

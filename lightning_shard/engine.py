@@ -16,6 +16,16 @@ the first pre-backward hook, which also reduces any unit whose inputs needed no 
 first block after a frozen embedding). Modules that hold root parameters also gather the root on
 their own if they are called outside the root's forward.
 
+[Note: prefetching and overlapped reductions]
+The engine records the order in which units run their forward (re-recorded every step, so a
+change of order is picked up at the next one). When a unit starts its forward it issues the next
+unit's all-gather asynchronously, so the collective runs while this unit computes; when a unit
+starts its backward it does the same for the unit whose backward comes next (the previous one in
+forward order). At most two units are gathered or gathering at once. A unit's gradient reduction
+is issued asynchronously when its backward ends and completed when the next one is issued (and
+all of them at the end of backward), so it overlaps the next unit's backward. Every rank issues
+the same collectives in the same order, since the recorded order is the same on every rank.
+
 [Note: the last unit of forward stays gathered]
 Under FULL_SHARD the unit that ran last in forward is the first one backward needs. Its reshard is
 deferred until another unit starts its forward, so when forward ends it is still gathered and
@@ -53,10 +63,18 @@ class ShardedModule:
         self.sharding_strategy = strategy
         self._callback_queued = False
         self._deferred_reshard: ShardUnit | None = None  # see [Note: the last unit of forward stays gathered]
+        # See [Note: prefetching and overlapped reductions].
+        self._forward_order: list[ShardUnit] = []  # as recorded in the last complete forward
+        self._recording: list[ShardUnit] = []
+        self._position: dict[int, int] = {}
+        self._pending_reduction: collectives.Pending | None = None
         for unit in units:
             unit.on_first_pre_backward = self._queue_end_of_backward
             unit.on_pre_forward = self._reshard_deferred
             unit.on_reshard_after_forward = self._defer_reshard
+            unit.on_forward_started = self._prefetch_next_forward
+            unit.on_pre_backward = self._prefetch_next_backward
+            unit.on_reduce_started = self._overlap_reduction
         setattr(root, _ENGINE_ATTR, self)
 
     @property
@@ -79,6 +97,34 @@ class ShardedModule:
             self._deferred_reshard = None
             deferred.reshard()
 
+    def start_forward_pass(self) -> None:
+        """Called when the root's forward starts: the order recorded last time becomes the prefetch order."""
+        if self._recording:
+            self._forward_order, self._recording = self._recording, []
+            self._position = {id(u): i for i, u in enumerate(self._forward_order)}
+
+    def _prefetch_next_forward(self, unit: ShardUnit) -> None:
+        self._recording.append(unit)
+        i = self._position.get(id(unit))
+        if i is not None and i + 1 < len(self._forward_order) and self._forward_order[i + 1] is not unit:
+            self._forward_order[i + 1].start_unshard()
+
+    def _prefetch_next_backward(self, unit: ShardUnit) -> None:
+        i = self._position.get(id(unit))
+        if i is not None and i > 0 and self._forward_order[i - 1] is not unit:
+            previous = self._forward_order[i - 1]
+            if previous.backward_state is not BackwardState.IDLE:  # it ran with grad: its backward is coming
+                previous.start_unshard()
+
+    def _overlap_reduction(self, pending: collectives.Pending | None) -> None:
+        self._finish_reduction()
+        self._pending_reduction = pending
+
+    def _finish_reduction(self) -> None:
+        pending, self._pending_reduction = self._pending_reduction, None
+        if pending is not None:
+            pending.wait()
+
     def _queue_end_of_backward(self) -> None:
         if self._callback_queued:
             return
@@ -91,6 +137,7 @@ class ShardedModule:
         self._deferred_reshard = None
         for unit in reversed(self.units):
             unit.post_backward()
+        self._finish_reduction()
 
     def discard_pending(self) -> None:
         """Drop gradients of a forward that never got a backward (called before the next step starts)."""
@@ -332,6 +379,7 @@ def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | N
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if root_unit._forward_depth == 0 and not engine._callback_queued:
             engine.discard_pending()
+            engine.start_forward_pass()
         if input_dtype is not None:
             args, kwargs = _cast_tree((args, kwargs), input_dtype)
         return root_unit.pre_forward(module, args, kwargs)

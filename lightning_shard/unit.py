@@ -47,6 +47,7 @@ class UnitState(enum.Enum):
     """Whether a unit's full weights exist (see [Note: unit states and autograd])."""
 
     SHARDED = enum.auto()  # only this rank's chunk exists; modules hold the sharded faces
+    GATHERING = enum.auto()  # a prefetch all-gather is in flight; modules still hold the sharded faces
     UNSHARDED = enum.auto()  # full weights gathered; modules hold the unsharded faces
 
 
@@ -101,11 +102,16 @@ class ShardUnit:
             if p.requires_grad:
                 p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         self.state = UnitState.UNSHARDED
+        self._pending_gather: collectives.Pending | None = None
         self.backward_state = BackwardState.IDLE
         self.hold_grads = False  # set by the engine while gradients accumulate unreduced (grad_sync="step")
         self._forward_depth = 0
         self.on_first_pre_backward: Callable[[], None] = lambda: None  # set by the engine
         self.on_pre_forward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
+        self.on_forward_started: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
+        self.on_pre_backward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
+        # The engine overlaps reductions with the rest of backward; alone, a unit finishes its own at once.
+        self.on_reduce_started: Callable[[collectives.Pending | None], None] = lambda p: p.wait() if p else None
         self.on_reshard_after_forward: Callable[[ShardUnit], None] = ShardUnit.reshard  # the engine may defer it
 
     def _layout(self) -> None:
@@ -151,31 +157,43 @@ class ShardUnit:
         """Gather the full weights into ``flat_unsharded`` and put the unsharded faces on the modules."""
         if self.state is UnitState.UNSHARDED:
             return
-        if self.materializes and self.sharded_numel > 0:
-            with record_function(f"lightning_shard::unshard({self.name})"):
-                self._gather_into_unsharded()
+        if self.state is UnitState.SHARDED:
+            self.start_unshard(async_op=False)
+        self._finish_unshard()
+
+    def start_unshard(self, async_op: bool = True) -> None:
+        """Issue the all-gather (asynchronously: a prefetch); ``unshard()`` waits for it and copies it out."""
+        if self.state is not UnitState.SHARDED:
+            return  # already gathered, or a gather is in flight
+        self.state = UnitState.GATHERING
+        if not self.materializes or self.sharded_numel == 0:
+            self._pending_gather = None
+            return
+        with record_function(f"lightning_shard::unshard({self.name})"):
+            self.flat_unsharded.untyped_storage().resize_(self.flat_unsharded.numel())
+            send = self._all_gather_input()
+            if self.gathers:
+                gathered = torch.empty(self.mesh.shard_size * self.gather_bytes, dtype=torch.uint8, device=send.device)
+                self._pending_gather = collectives.all_gather_flat(gathered, send, self.mesh.shard_group, async_op)
+            else:
+                self._pending_gather = collectives.Pending(None, lambda: send)
+
+    def _finish_unshard(self) -> None:
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is not None:
+            gathered = pending.wait()
+            n = self.mesh.shard_size
+            # See [Note: unit states and autograd]: restore, don't modify, what autograd saved.
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
+                torch.split_with_sizes_copy(
+                    gathered.view(n, -1),
+                    [p.padded_gather_bytes for p in self.params],
+                    dim=1,
+                    out=[p.unsharded_region(self.flat_unsharded).view(n, -1) for p in self.params],
+                )
         self.state = UnitState.UNSHARDED
         for p in self.params:
             p.expose_unsharded()
-
-    def _gather_into_unsharded(self) -> None:
-        n = self.mesh.shard_size
-        storage = self.flat_unsharded.untyped_storage()
-        storage.resize_(self.flat_unsharded.numel())
-        send = self._all_gather_input()
-        if self.gathers:
-            gathered = torch.empty(n * self.gather_bytes, dtype=torch.uint8, device=send.device)
-            collectives.all_gather_flat(gathered, send, self.mesh.shard_group)
-        else:
-            gathered = send
-        # See [Note: unit states and autograd]: restore, don't modify, what autograd saved.
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
-            torch.split_with_sizes_copy(
-                gathered.view(n, -1),
-                [p.padded_gather_bytes for p in self.params],
-                dim=1,
-                out=[p.unsharded_region(self.flat_unsharded).view(n, -1) for p in self.params],
-            )
 
     def _all_gather_input(self) -> Tensor:
         """This rank's chunk as bytes: the sharded buffer itself, or a copy cast to the compute dtypes."""
@@ -193,6 +211,8 @@ class ShardUnit:
         """Free the full weights and put the sharded faces back on the modules."""
         if self.state is UnitState.SHARDED:
             return
+        if self.state is UnitState.GATHERING:  # a prefetch nobody used: let it land before freeing its target
+            self._finish_unshard()
         for p in self.params:
             p.expose_sharded()
         if self.materializes:
@@ -201,13 +221,19 @@ class ShardUnit:
 
     def reduce_grads(self) -> None:
         """Average the gradients on the unsharded faces over all data-parallel ranks into the sharded faces' grads."""
+        pending = self.start_reduce_grads(async_op=False)
+        if pending is not None:
+            pending.wait()
+
+    def start_reduce_grads(self, async_op: bool = True) -> collectives.Pending | None:
+        """Issue the gradient reduction; ``wait()`` on the result puts this rank's rows into the shards' grads."""
         self.backward_state = BackwardState.IDLE
         if not self.trainable:
-            return
+            return None
         with record_function(f"lightning_shard::reduce_grads({self.name})"):
-            self._reduce_grads()
+            return self._start_reduce(async_op and self.mesh.replicate_group is None)
 
-    def _reduce_grads(self) -> None:
+    def _start_reduce(self, async_op: bool) -> collectives.Pending:
         mesh = self.mesh
         n, k = mesh.shard_size, len(self.trainable)
         grads = [p.unsharded.grad for p in self.trainable]
@@ -225,11 +251,14 @@ class ShardUnit:
         del grads, pieces  # the unsharded gradients are copied: free them before communicating
         chunked.div_(mesh.world_size)  # DDP's order: divide, then sum (exact for power-of-two world sizes)
         if mesh.shard_group is not None:
-            reduced = collectives.reduce_scatter_sum(chunked.view(-1), mesh.shard_group, mesh.shard_rank)
+            reduction = collectives.reduce_scatter_sum(chunked.view(-1), mesh.shard_group, mesh.shard_rank, async_op)
         else:
-            reduced = chunked.view(-1)
-        if mesh.replicate_group is not None:
-            collectives.all_reduce_sum(reduced, mesh.replicate_group)
+            reduction = collectives.Pending(None, lambda: chunked.view(-1))
+        return collectives.Pending(None, lambda: self._finish_reduce(reduction.wait()))
+
+    def _finish_reduce(self, reduced: Tensor) -> None:
+        if self.mesh.replicate_group is not None:
+            collectives.all_reduce_sum(reduced, self.mesh.replicate_group)
         used_anywhere = (reduced[self.grad_sharded_numel :] > 0).tolist()
         shard_grads = reduced if self.reduce_dtype == self.dtype else reduced[: self.grad_sharded_numel].to(self.dtype)
         for p, is_used in zip(self.trainable, used_anywhere):
@@ -252,6 +281,7 @@ class ShardUnit:
             return args, kwargs
         self.on_pre_forward(self)
         self.unshard()
+        self.on_forward_started(self)  # prefetch the unit whose forward comes next
         if torch.is_grad_enabled() and self.trainable:
             args, kwargs = _RegisterPostBackward.wrap_inputs(self, args, kwargs)
         return args, kwargs
@@ -275,6 +305,7 @@ class ShardUnit:
         self.on_first_pre_backward()
         self.backward_state = BackwardState.PENDING
         self.unshard()
+        self.on_pre_backward(self)  # prefetch the unit whose backward comes next
         return grad
 
     def post_backward(self) -> None:
@@ -284,7 +315,7 @@ class ShardUnit:
         if self.hold_grads:
             self.backward_state = BackwardState.HELD
             return
-        self.reduce_grads()
+        self.on_reduce_started(self.start_reduce_grads())
 
     # Initialization from full weights #
 
