@@ -39,8 +39,11 @@ def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup, async_op
     return Pending(work, lambda: output)
 
 
-def reduce_scatter_sum(full: Tensor, group: ProcessGroup, group_rank: int, async_op: bool = False) -> Pending:
-    """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (new tensor).
+def reduce_scatter_sum(
+    full: Tensor, group: ProcessGroup, group_rank: int, async_op: bool = False, divide_by: int = 1
+) -> Pending:
+    """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (new tensor)
+    divided by ``divide_by``.
 
     ``full`` is clobbered on backends where the reduction runs in place.
     """
@@ -48,10 +51,10 @@ def reduce_scatter_sum(full: Tensor, group: ProcessGroup, group_rank: int, async
     with record_function("lightning_shard::reduce_scatter"):
         if dist.get_backend(group) == "gloo":
             work = dist.all_reduce(full, group=group, async_op=async_op)
-            return Pending(work, lambda: full.view(group_size, -1)[group_rank].clone())
+            return Pending(work, lambda: torch.div(full.view(group_size, -1)[group_rank], divide_by))
         out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
         work = dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
-        return Pending(work, lambda: out)
+        return Pending(work, lambda: out.div_(divide_by) if divide_by != 1 else out)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:

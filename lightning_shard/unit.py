@@ -249,9 +249,15 @@ class ShardUnit:
         pieces = [p.grad_rows(g, in_dtype) for p, g in zip(self.trainable, grads)]
         torch._chunk_cat([*pieces, used.expand(n, k)], dim=0, num_chunks=n, out=chunked)  # casts to reduce dtype
         del grads, pieces  # the unsharded gradients are copied: free them before communicating
-        chunked.div_(mesh.world_size)  # DDP's order: divide, then sum (exact for power-of-two world sizes)
+        # DDP divides by the world size before summing. For a power-of-two world size dividing this rank's
+        # chunk after the sum gives the same bits (the scaling is exact) and touches 1/N of the data.
+        power_of_two = mesh.world_size & (mesh.world_size - 1) == 0
+        if not power_of_two or mesh.shard_group is None:
+            chunked.div_(mesh.world_size)
         if mesh.shard_group is not None:
-            reduction = collectives.reduce_scatter_sum(chunked.view(-1), mesh.shard_group, mesh.shard_rank, async_op)
+            reduction = collectives.reduce_scatter_sum(
+                chunked.view(-1), mesh.shard_group, mesh.shard_rank, async_op, mesh.world_size if power_of_two else 1
+            )
         else:
             reduction = collectives.Pending(None, lambda: chunked.view(-1))
         return collectives.Pending(None, lambda: self._finish_reduce(reduction.wait()))
