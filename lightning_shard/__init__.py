@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_shard.checkpoint_format import CheckpointError
 from lightning_shard.checkpoint_load import LoadResult, load_safetensors_into
 from lightning_shard.consolidate import CheckpointSummary, consolidate, inspect
+from lightning_shard.estimate import MemoryEstimate, estimate_memory
 from lightning_shard.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
 from lightning_shard.mixed_precision import MixedPrecision
 from lightning_shard.policies import (
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSummary",
     "LoadResult",
+    "MemoryEstimate",
     "GradSync",
     "MemoryReport",
     "MixedPrecision",
@@ -43,6 +45,7 @@ __all__ = [
     "SizeWrapPolicy",
     "__version__",
     "consolidate",
+    "estimate_memory",
     "inspect",
     "load_safetensors_into",
 ]

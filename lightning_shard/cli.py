@@ -2,6 +2,7 @@
 
     lightning-shard consolidate CKPT_DIR OUT.safetensors   # one model file, loadable with safetensors
     lightning-shard inspect CKPT_DIR                       # world size, step, tensors, checksum verification
+    lightning-shard estimate my_pkg.models:build_gpt --world-size 8 --wrap Block --precision bf16-mixed
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     i = commands.add_parser("inspect", help="summarise a checkpoint directory and verify its checksums")
     i.add_argument("checkpoint_dir")
     i.add_argument("--no-verify", action="store_true", help="skip reading every file to check its checksum")
+    e = commands.add_parser("estimate", help="per-rank memory for a model built on the meta device")
+    e.add_argument("factory", help="module:callable returning the nn.Module (called under torch.device('meta'))")
+    e.add_argument("--world-size", type=int, required=True)
+    e.add_argument("--wrap", nargs="*", default=None, help="module class names that become sharding units")
+    e.add_argument("--sharding-strategy", default="FULL_SHARD")
+    e.add_argument("--precision", default="32-true")
+    e.add_argument("--optimizer", default="adamw")
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return _estimate(args)
     from lightning_shard.consolidate import consolidate, inspect
 
     try:
@@ -34,6 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         print(f"lightning-shard: {err}", file=sys.stderr)
         return 2
+
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import importlib
+
+    import torch
+
+    from lightning_shard.estimate import estimate_memory
+
+    module_name, _, attr = args.factory.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    with torch.device("meta"):
+        model = factory()
+    print(estimate_memory(model, args.world_size, args.sharding_strategy, args.precision, args.optimizer,
+                          auto_wrap_policy=args.wrap))
+    return 0
 
 
 if __name__ == "__main__":

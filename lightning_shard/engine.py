@@ -196,15 +196,12 @@ def shard_module(
     if existing is not None:  # sharded before (an earlier stage or Trainer): keep the shards, use the new groups
         existing.rebind_mesh(mesh)
         return existing
-    unit_modules = [("", root), *select_unit_modules(root, policy)]
-    uses, params_by_id = _collect_parameters(root, {id(m) for _, m in unit_modules})
-    parent_unit = _unit_parents(root, {id(m) for _, m in unit_modules})
+    plan = plan_units(root, policy)
+    unit_modules = [(name, module) for name, module, _ in plan]
     assignment: dict[int, list[ShardedParam]] = {id(m): [] for _, m in unit_modules}
     meta_modules: dict[int, list[nn.Module]] = {id(m): [] for _, m in unit_modules}
     full: dict[int, Tensor] = {}
-    for pid, use in uses.items():
-        unit_id = _lowest_common_unit(sorted(use.unit_ids), parent_unit)
-        param = params_by_id[pid]
+    for unit_id, use, param in ((id(module), use, param) for _, module, owned in plan for use, param in owned):
         sp = ShardedParam(
             fqns=use.fqns,
             owners=use.owners,
@@ -243,6 +240,23 @@ def shard_module(
     engine = ShardedModule(root, units, mesh, strategy)
     _register_hooks(engine, mixed_precision)
     return engine
+
+
+def plan_units(
+    root: nn.Module, policy: WrapPolicy | None
+) -> list[tuple[str, nn.Module, list[tuple[_ParamUse, nn.Parameter]]]]:
+    """The units in module order (root first), each with the parameters it owns.
+
+    See [Note: which unit owns a parameter].
+    """
+    unit_modules = [("", root), *select_unit_modules(root, policy)]
+    unit_ids = {id(m) for _, m in unit_modules}
+    uses, params_by_id = _collect_parameters(root, unit_ids)
+    parent_unit = _unit_parents(root, unit_ids)
+    owned: dict[int, list[tuple[_ParamUse, nn.Parameter]]] = {id(m): [] for _, m in unit_modules}
+    for pid, use in uses.items():
+        owned[_lowest_common_unit(sorted(use.unit_ids), parent_unit)].append((use, params_by_id[pid]))
+    return [(name, module, owned[id(module)]) for name, module in unit_modules]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,56 @@
+"""estimate_memory against what a trained sharded model actually holds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_shard import ShardStrategy, estimate_memory
+from lightning_shard.testing import run_on_ranks
+from tests.fits import trainer_for
+from tests.models import GPTBlock, LitModel, TinyGPT, loader
+
+
+def measured(rank: int, world_size: int, sharding: str, mesh: tuple[int, int] | None) -> dict:
+    L.seed_everything(0)
+    kwargs = {"sharding_strategy": sharding} | ({"device_mesh": mesh} if mesh else {})
+    strategy = ShardStrategy(auto_wrap_policy={GPTBlock}, **kwargs)
+    trainer_for(strategy, world_size, steps=2).fit(LitModel("gpt"), train_dataloaders=loader("gpt"))
+    report = strategy.memory_report().sharded
+    return {"parameters": report.parameters, "gradients": report.gradients, "optimizer": report.optimizer_state}
+
+
+@pytest.mark.parametrize(("world_size", "sharding", "mesh"),
+                         [(2, "FULL_SHARD", None), (4, "FULL_SHARD", None), (4, "HYBRID_SHARD", (2, 2)),
+                          (2, "NO_SHARD", None)])
+def test_estimate_matches_measured_model_state_within_10_percent(
+    world_size: int, sharding: str, mesh: tuple[int, int] | None
+) -> None:
+    with torch.device("meta"):
+        model = LitModel("gpt")
+    estimate = estimate_memory(model, world_size, sharding, auto_wrap_policy={GPTBlock}, device_mesh=mesh)
+    rank0 = run_on_ranks(measured, world_size, sharding, mesh)[0]  # rank 0 holds the most rows
+    for key, got in (("parameters", estimate.parameters), ("gradients", estimate.gradients),
+                     ("optimizer", estimate.optimizer_state)):
+        assert abs(got - rank0[key]) <= 0.1 * rank0[key], (key, got, rank0[key])
+
+
+def test_estimate_scales_with_world_size_and_precision() -> None:
+    with torch.device("meta"):
+        model = TinyGPT(d=64, depth=4)
+    one = estimate_memory(model, 1, "NO_SHARD", auto_wrap_policy={GPTBlock})
+    eight = estimate_memory(model, 8, auto_wrap_policy={GPTBlock})
+    assert eight.model_state < one.model_state / 6  # ~1/8 plus padding
+    bf16 = estimate_memory(model, 8, precision="bf16-mixed", auto_wrap_policy={GPTBlock})
+    assert bf16.gathered_peak == eight.gathered_peak // 2 and bf16.model_state == eight.model_state
+
+
+def test_estimate_cli() -> None:
+    done = subprocess.run([sys.executable, "-m", "lightning_shard.cli", "estimate", "tests.models:TinyGPT",
+                           "--world-size", "4", "--wrap", "GPTBlock"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "per rank: parameters" in done.stdout and "largest unit: blocks." in done.stdout
