@@ -41,6 +41,7 @@ from lightning_shard.checkpoint_format import (
 )
 from lightning_shard.engine import ShardedModule
 from lightning_shard.param_shard import ShardedParam
+from lightning_shard.policies import parse_choice
 
 T = TypeVar("T")
 
@@ -53,11 +54,7 @@ class StateDictType(enum.Enum):
 
     @classmethod
     def parse(cls, value: StateDictType | str) -> StateDictType:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.lower() in {m.value for m in cls}:
-            return cls(value.lower())
-        raise ValueError(f"Unknown state_dict_type {value!r}. Valid values are: 'sharded', 'full'.")
+        return parse_choice(cls, value, "state_dict_type")
 
 
 def save_checkpoint_dir(

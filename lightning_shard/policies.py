@@ -9,11 +9,26 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from torch import nn
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_choice(cls: type[E], value: E | str, argument: str) -> E:
+    """The member of the string-valued enum ``cls`` that ``value`` names (any case); anything else raises
+    ``ValueError`` naming ``argument`` and the valid values."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for member in cls:
+            if member.value.lower() == value.lower():
+                return member
+    valid = ", ".join(repr(m.value) for m in cls)
+    raise ValueError(f"Unknown {argument} {value!r}. Valid values are: {valid}.")
+
 
 
 class ShardingStrategy(enum.Enum):
@@ -35,13 +50,7 @@ class ShardingStrategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        """Accept the enum or its name in any case; anything else raises ``ValueError`` naming the valid values."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        valid = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"Unknown sharding_strategy {value!r}. Valid values are: {valid}.")
+        return parse_choice(cls, value, "sharding_strategy")
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -63,11 +72,7 @@ class GradSync(enum.Enum):
 
     @classmethod
     def parse(cls, value: GradSync | str) -> GradSync:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.lower() in {m.value for m in cls}:
-            return cls(value.lower())
-        raise ValueError(f"Unknown grad_sync {value!r}. Valid values are: 'microbatch', 'step'.")
+        return parse_choice(cls, value, "grad_sync")
 
 
 # --------------------------------------------------------------------------------------------------
