@@ -12,6 +12,7 @@ from lightning_shard.consolidate import CheckpointSummary, consolidate, inspect
 from lightning_shard.estimate import MemoryEstimate, estimate_memory
 from lightning_shard.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
 from lightning_shard.mixed_precision import MixedPrecision
+from lightning_shard.monitor import ShardMonitor
 from lightning_shard.policies import (
     CallableWrapPolicy,
     GradSync,
@@ -38,6 +39,7 @@ __all__ = [
     "ModuleClassWrapPolicy",
     "ReplicatedMemoryBytes",
     "ShardMemoryBytes",
+    "ShardMonitor",
     "ShardPrecision",
     "ShardStrategy",
     "ShardedGradScaler",

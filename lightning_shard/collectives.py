@@ -9,7 +9,9 @@ followed by taking this rank's chunk (same result, same summation as DDP's all-r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +19,24 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
+
+
+@dataclass
+class CollectiveStats:
+    """Bytes this rank's collectives moved and the time it spent in them (issuing, and waiting for results).
+
+    ``STATS`` accumulates over the process's lifetime; ``ShardMonitor`` reads differences per step.
+    """
+
+    all_gather_bytes: int = 0
+    reduce_bytes: int = 0
+    seconds: float = 0.0
+
+    def snapshot(self) -> CollectiveStats:
+        return CollectiveStats(self.all_gather_bytes, self.reduce_bytes, self.seconds)
+
+
+STATS = CollectiveStats()
 
 
 class Pending:
@@ -27,15 +47,20 @@ class Pending:
 
     def wait(self) -> Tensor | None:
         if self._work is not None:
+            start = time.perf_counter()
             self._work.wait()
+            STATS.seconds += time.perf_counter() - start
             self._work = None
         return self._finish()
 
 
 def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup, async_op: bool = False) -> Pending:
     """Fill ``output`` (1D, ``group size * shard.numel()``) with every rank's ``shard``, rank-major."""
+    start = time.perf_counter()
     with record_function("lightning_shard::all_gather"):
         work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
+    STATS.seconds += time.perf_counter() - start
+    STATS.all_gather_bytes += output.numel() * output.element_size()
     return Pending(work, lambda: output)
 
 
@@ -48,19 +73,26 @@ def reduce_scatter_sum(
     ``full`` is clobbered on backends where the reduction runs in place.
     """
     group_size = dist.get_world_size(group)
+    start = time.perf_counter()
+    STATS.reduce_bytes += full.numel() * full.element_size()
     with record_function("lightning_shard::reduce_scatter"):
         if dist.get_backend(group) == "gloo":
             work = dist.all_reduce(full, group=group, async_op=async_op)
+            STATS.seconds += time.perf_counter() - start
             return Pending(work, lambda: torch.div(full.view(group_size, -1)[group_rank], divide_by))
         out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
         work = dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
+        STATS.seconds += time.perf_counter() - start
         return Pending(work, lambda: out.div_(divide_by) if divide_by != 1 else out)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:
     """Sum ``tensor`` in place over the group."""
+    start = time.perf_counter()
     with record_function("lightning_shard::all_reduce"):
         dist.all_reduce(tensor, group=group)
+    STATS.seconds += time.perf_counter() - start
+    STATS.reduce_bytes += tensor.numel() * tensor.element_size()
 
 
 def all_reduce_max(tensor: Tensor, group: ProcessGroup | None) -> None:
