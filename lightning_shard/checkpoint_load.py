@@ -8,7 +8,7 @@ on success, so a damaged file stops all ranks with the same error instead of lea
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,11 +182,18 @@ def _model_entries(index: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_safetensors_into(module: nn.Module, path: str | Path, prefix: str = "", strict: bool = True) -> LoadResult:
+def load_safetensors_into(
+    module: nn.Module,
+    path: str | Path,
+    prefix: str = "",
+    strict: bool = True,
+    rename: Callable[[str], str] | None = None,
+) -> LoadResult:
     """Load a full ``.safetensors`` model file (a consolidated checkpoint, a Hugging Face model file) into a model
     that ``ShardStrategy`` has sharded; each rank reads only its rows. ``prefix`` is prepended to the file's keys
     to match the module's ``state_dict`` keys (e.g. ``"model."`` when the LightningModule holds the network as
-    ``self.model``). Collective: every rank must call it, e.g. in ``on_fit_start``."""
+    ``self.model``), after ``rename`` (if given) maps each file key. Returns the missing and unexpected keys.
+    Collective: every rank must call it, e.g. in ``on_fit_start``."""
     from safetensors import safe_open
 
     engine = getattr(module, _ENGINE_ATTR, None)
@@ -211,7 +218,7 @@ def load_safetensors_into(module: nn.Module, path: str | Path, prefix: str = "",
         dtype = _SAFETENSORS_TO_TORCH.get(dtypes[key])
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {dtypes[key]}.")
-        index["tensors"][MODEL_PREFIX + prefix + key] = {
+        index["tensors"][MODEL_PREFIX + prefix + (rename(key) if rename else key)] = {
             "shape": shapes[key], "dtype": dtype_name(dtype),
             "pieces": [{"file": path.name, "key": key, "rows": [0, shapes[key][0] if shapes[key] else 1]}],
         }

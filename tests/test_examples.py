@@ -1,0 +1,52 @@
+"""The examples run as their docstrings say (with fewer steps)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+_LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
+def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS} | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def test_lightning_cli_example() -> None:
+    _run("main.py", "fit", "--config", "config.yaml", "--trainer.max_steps", "4", cwd=ROOT / "examples" / "cli")
+
+
+def test_resume_on_another_process_count_then_consolidate(tmp_path: Path) -> None:
+    script = "examples/resume_and_consolidate.py"
+    _run(script, "--devices", "2", "--max-steps", "4", "--out", str(tmp_path))
+    resumed = _run(script, "--devices", "3", "--max-steps", "8", "--out", str(tmp_path), "--resume")
+    assert "step 8:" in resumed.stdout
+    _run("-m", "lightning_shard.cli", "consolidate", str(tmp_path / "last.ckpt"), str(tmp_path / "model.safetensors"))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert weights["model.tok_emb.weight"].shape[1] == 64
+
+
+def test_adapter_finetuning_from_a_local_model_file(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_gpt import DATA_PATH, CharDataset
+
+    vocab = CharDataset(DATA_PATH.read_text(encoding="utf-8"), 64).vocab_size
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+    state = {k: v.contiguous() for k, v in base.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    save_file(state, str(tmp_path / "gpt2.safetensors"))
+    done = _run("examples/finetune_adapters.py", "--max-steps", "3", "--weights", str(tmp_path / "gpt2.safetensors"))
+    assert "trained 2,048 of" in done.stdout
+    new_keys = done.stdout.split("not in the file (new): ")[1].splitlines()[0]
+    assert all(".attn.c_attn.A" in k or ".attn.c_attn.B" in k for k in eval(new_keys))  # only the adapters
+    assert torch.is_tensor(load_file(str(tmp_path / "gpt2.safetensors"))["transformer.wte.weight"])
