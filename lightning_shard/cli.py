@@ -14,7 +14,9 @@ from lightning_shard.checkpoint_format import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-shard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-shard", description="Tools for lightning_shard checkpoints and memory estimates."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     c = commands.add_parser("consolidate", help="write a checkpoint's model as one .safetensors file")
     c.add_argument("checkpoint_dir")
