@@ -346,7 +346,9 @@ class ShardUnit:
                     requires_grad=p.requires_grad,
                 )
                 p.expose_unsharded()
-            for m in modules:
+            # In reverse module order, so that a tied weight takes the values its first owner gives it
+            # (the embedding, not the LM head registered after it).
+            for m in reversed(modules):
                 for name, buf in m._buffers.items():
                     if buf is not None and buf.is_meta:
                         m._buffers[name] = torch.empty_like(buf, device=device)

@@ -298,3 +298,28 @@ def partly_meta(rank: int, world_size: int) -> dict:
 def test_parameters_not_on_meta_keep_their_values_when_the_unit_is_initialised() -> None:
     for r in run_on_ranks(partly_meta, 2):
         torch.testing.assert_close(r["gathered"], r["kept"])
+
+
+class TiedInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = ZeroEmbedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class ZeroEmbedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+def tied_meta_init(rank: int, world_size: int) -> bool:
+    with torch.device("meta"):
+        model = TiedInit()
+    engine = _shard(model)
+    p = engine.root_unit.params[0]
+    return bool(engine.gather_full(p, p.sharded).eq(0).all())
+
+
+def test_a_tied_weight_takes_its_first_owners_initialisation() -> None:
+    assert run_on_ranks(tied_meta_init, 2) == [True, True]
