@@ -213,7 +213,7 @@ def load_safetensors_into(
         raise CheckpointError(f"Cannot read the safetensors file {path}: {err}") from None
     from lightning_shard.checkpoint_format import dtype_name
 
-    index = {"tensors": {}}
+    index: dict[str, Any] = {"tensors": {}}
     for key in keys:
         dtype = _SAFETENSORS_TO_TORCH.get(dtypes[key])
         if dtype is None:

@@ -269,7 +269,9 @@ class _FullWriter(_Plan):
     def write_local(self) -> dict[str, Any]:
         self.tmp.mkdir(parents=True, exist_ok=True)
         records: dict[str, Any] = {"files": {}, "pieces": {}}
-        model = [(MODEL_PREFIX + fqn, p, p.sharded.detach()) for fqn, p in self.params]
+        model: list[tuple[str, ShardedParam | None, Tensor]] = [
+            (MODEL_PREFIX + fqn, p, p.sharded.detach()) for fqn, p in self.params
+        ]
         model += [(MODEL_PREFIX + k, None, v) for k, v in self.buffers]
         self._stream("model.safetensors", model, records)
         optim = [item for _, tensors in self.optimizers for item in tensors]

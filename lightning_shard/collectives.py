@@ -54,7 +54,7 @@ class Pending:
         return self._finish()
 
 
-def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup, async_op: bool = False) -> Pending:
+def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, async_op: bool = False) -> Pending:
     """Fill ``output`` (1D, ``group size * shard.numel()``) with every rank's ``shard``, rank-major."""
     start = time.perf_counter()
     with record_function("lightning_shard::all_gather"):

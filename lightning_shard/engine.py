@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_shard import collectives
 from lightning_shard.mesh import ShardMesh
-from lightning_shard.mixed_precision import MixedPrecision
+from lightning_shard.mixed_precision import MixedPrecision, parse_dtype
 from lightning_shard.param_shard import ShardedParam
 from lightning_shard.policies import ShardingStrategy, WrapPolicy, select_unit_modules
 from lightning_shard.unit import BackwardState, ShardUnit
@@ -227,7 +227,7 @@ def shard_module(
     units: list[ShardUnit] = []
     for name, module in unit_modules:
         sps = assignment[id(module)]
-        reduce_dtype = mixed_precision.reduce_dtype if mixed_precision is not None else None
+        reduce_dtype = parse_dtype(mixed_precision.reduce_dtype) if mixed_precision is not None else None
         reshard_here = reshard and module is not root
         unit = ShardUnit(name, module, sps, mesh, device, reshard_after_forward=reshard_here, reduce_dtype=reduce_dtype)
         if any(full[id(sp)].is_meta for sp in sps):
@@ -236,7 +236,7 @@ def shard_module(
             unit.init_from_full(full)
         units.append(unit)
     full.clear()
-    _materialize_and_sync_buffers(root, device, mixed_precision.buffer_dtype if mixed_precision else None)
+    _materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
     engine = ShardedModule(root, units, mesh, strategy)
     _register_hooks(engine, mixed_precision)
     return engine
@@ -379,8 +379,9 @@ def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | Non
         else:
             unit.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         unit.module.register_forward_hook(unit.post_forward, with_kwargs=True)
-    if mixed_precision is not None and mixed_precision.output_dtype is not None:
-        root_unit.module.register_forward_hook(_cast_floating(mixed_precision.output_dtype))
+    output_dtype = parse_dtype(mixed_precision.output_dtype) if mixed_precision is not None else None
+    if output_dtype is not None:
+        root_unit.module.register_forward_hook(_cast_floating(output_dtype))
     owners = {id(m): m for p in root_unit.params for m, _ in p.owners if m is not root_unit.module}
     for module in owners.values():
         module.register_forward_pre_hook(_gather_root_if_needed(root_unit))
@@ -388,7 +389,8 @@ def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | Non
 
 def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | None):  # noqa: ANN202
     root_unit = engine.root_unit
-    input_dtype = mixed_precision.param_dtype if mixed_precision and mixed_precision.cast_forward_inputs else None
+    casts_inputs = mixed_precision is not None and mixed_precision.cast_forward_inputs
+    input_dtype = parse_dtype(mixed_precision.param_dtype) if mixed_precision and casts_inputs else None
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if root_unit._forward_depth == 0 and not engine._callback_queued:

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_shard.engine import plan_units
 from lightning_shard.mesh import mesh_shape
-from lightning_shard.mixed_precision import mixed_precision_for
+from lightning_shard.mixed_precision import mixed_precision_for, parse_dtype
 from lightning_shard.param_shard import ShardedParam
 from lightning_shard.policies import ShardingStrategy, WrapPolicySpec, resolve_wrap_policy
 
@@ -81,7 +81,7 @@ def estimate_memory(
         for use, param in owned:
             dtype = true_dtype or param.dtype
             sp = ShardedParam(use.fqns, use.owners, param.shape, dtype, param.requires_grad, shard_size, 0)
-            compute = (mixed.param_dtype if mixed else None) or dtype
+            compute = (parse_dtype(mixed.param_dtype) if mixed else None) or dtype
             params += sp.padded_shard_numel * dtype.itemsize
             unit_full += sp.padded_shard_numel * shard_size * compute.itemsize
             if param.requires_grad:

@@ -74,7 +74,7 @@ class MixedPrecision:
         """The dtype a parameter held by ``owners`` is gathered in (``None``: its own)."""
         if self.param_dtype is None or any(self.keeps_fp32(m) for m in owners):
             return None
-        return self.param_dtype
+        return parse_dtype(self.param_dtype)
 
 
 def mixed_precision_for(precision: str) -> MixedPrecision | None:

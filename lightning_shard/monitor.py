@@ -46,7 +46,7 @@ class ShardMonitor(L.Callback):
         now = collectives.STATS
         memory = torch.tensor(_memory_mb(pl_module.device), device=pl_module.device)
         pl_module.log("mem_mb", memory[0].item(), prog_bar=self.prog_bar, logger=False, rank_zero_only=False)
-        if (trainer.global_step % trainer.log_every_n_steps) != 0:
+        if trainer.global_step % getattr(trainer, "log_every_n_steps", 50) != 0:
             return
         per_rank = trainer.strategy.all_gather(memory)  # (world, 2): every rank's figures reach rank 0's logger
         if per_rank.dim() == 1:

@@ -157,7 +157,7 @@ def resolve_wrap_policy(spec: WrapPolicySpec) -> WrapPolicy | None:
         bad = [x for x in items if not (isinstance(x, str) or (isinstance(x, type) and issubclass(x, nn.Module)))]
         if bad:
             raise TypeError(f"auto_wrap_policy entries must be nn.Module classes or class names, got {bad!r}.")
-        return ModuleClassWrapPolicy(frozenset(items))
+        return ModuleClassWrapPolicy(frozenset(items))  # type: ignore[arg-type]  # checked just above
     raise TypeError(
         f"auto_wrap_policy must be a set of module classes or class names, a callable (module, name) -> bool,"
         f" or an int minimum parameter count; got {type(spec).__name__}."

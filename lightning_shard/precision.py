@@ -46,7 +46,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return
         per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         if not per_device:  # this rank holds no gradient rows: it still votes
-            per_device[self._scale.device] = torch.zeros(1, device=self._scale.device)
+            device = self._scale.device if self._scale is not None else torch.device(self._device)
+            per_device[device] = torch.zeros(1, device=device)
         found = torch.stack([v.reshape(()) for v in per_device.values()]).max().reshape(1)
         collectives.all_reduce_max(found, None)
         for v in per_device.values():

@@ -9,7 +9,7 @@ from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,8 @@ class ShardStrategy(ParallelStrategy):
         self._timeout = timeout
         self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
         self._wrap_policy = resolve_wrap_policy(auto_wrap_policy)
-        self._device_mesh = tuple(device_mesh) if device_mesh is not None else None
+        # A pair (replicas, shard_size); mesh_shape() explains anything else at setup.
+        self._device_mesh = cast(tuple[int, int], tuple(device_mesh)) if device_mesh is not None else None
         self.mixed_precision = mixed_precision
         self._checkpointing_policy = resolve_wrap_policy(activation_checkpointing_policy)
         self.grad_sync = GradSync.parse(grad_sync)
@@ -225,7 +226,7 @@ class ShardStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     # Model #
 

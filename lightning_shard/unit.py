@@ -111,7 +111,7 @@ class ShardUnit:
         self.on_forward_started: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         self.on_pre_backward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         # The engine overlaps reductions with the rest of backward; alone, a unit finishes its own at once.
-        self.on_reduce_started: Callable[[collectives.Pending | None], None] = lambda p: p.wait() if p else None
+        self.on_reduce_started: Callable[[collectives.Pending | None], None] = _wait_now
         self.on_reshard_after_forward: Callable[[ShardUnit], None] = ShardUnit.reshard  # the engine may defer it
 
     def _layout(self) -> None:
@@ -182,6 +182,7 @@ class ShardUnit:
         pending, self._pending_gather = self._pending_gather, None
         if pending is not None:
             gathered = pending.wait()
+            assert gathered is not None
             n = self.mesh.shard_size
             # See [Note: unit states and autograd]: restore, don't modify, what autograd saved.
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
@@ -260,7 +261,7 @@ class ShardUnit:
             )
         else:
             reduction = collectives.Pending(None, lambda: chunked.view(-1))
-        return collectives.Pending(None, lambda: self._finish_reduce(reduction.wait()))
+        return collectives.Pending(None, lambda: self._finish_reduce(_result(reduction)))
 
     def _finish_reduce(self, reduced: Tensor) -> None:
         if self.mesh.replicate_group is not None:
@@ -361,6 +362,17 @@ class ShardUnit:
 
     def __repr__(self) -> str:
         return f"ShardUnit({self.name or '<root>'}, params={len(self.params)}, state={self.state.name})"
+
+
+def _wait_now(pending: collectives.Pending | None) -> None:
+    if pending is not None:
+        pending.wait()
+
+
+def _result(pending: collectives.Pending) -> Tensor:
+    result = pending.wait()
+    assert result is not None
+    return result
 
 
 class _RegisterPostBackward(torch.autograd.Function):

@@ -29,3 +29,9 @@ def test_wheel_and_sdist_build_and_the_wheel_installs_cleanly(tmp_path: Path) ->
     assert done.stdout.strip() == "0.1.0"
     cli = subprocess.run([str(env / "bin" / "lightning-shard"), "--help"], capture_output=True, text=True)
     assert cli.returncode == 0 and "consolidate" in cli.stdout
+
+
+def test_type_hints_check_clean() -> None:
+    done = subprocess.run([sys.executable, "-m", "mypy", "lightning_shard"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
