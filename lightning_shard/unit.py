@@ -327,9 +327,10 @@ class ShardUnit:
     # Initialization from full weights #
 
     def init_from_full(self, full: dict[int, Tensor]) -> None:
-        """Fill the sharded faces from the original full parameters (``id(ShardedParam)`` -> tensor)."""
+        """Fill the sharded faces from the original full parameters (``id(ShardedParam)`` -> tensor), as global
+        rank 0 holds them (see ``_from_rank0``)."""
         for p in self.params:
-            p.copy_rows_from_full(full[id(p)])
+            p.copy_rows_from_full(_from_rank0(full[id(p)], self.flat_sharded.device))
         self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
         self.reshard()
 
@@ -355,13 +356,27 @@ class ShardUnit:
                         m._buffers[name] = torch.empty_like(buf, device=device)
                 m.reset_parameters()  # type: ignore[operator]
             for p in self.params:
-                p.copy_rows_from_full(p.unsharded)
+                p.copy_rows_from_full(_from_rank0(p.unsharded.data, device))
                 p.unsharded = originals[id(p)]
         self.state = UnitState.UNSHARDED
         self.reshard()
 
     def __repr__(self) -> str:
         return f"ShardUnit({self.name or '<root>'}, params={len(self.params)}, state={self.state.name})"
+
+
+def _from_rank0(full: Tensor, device: torch.device) -> Tensor:
+    """``full`` as global rank 0 holds it: every rank starts from rank 0's weights, as with DDP, even when the
+    ranks built or initialised the model differently (no common seed). One broadcast per parameter, at setup."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return full
+    on_device = full.detach().to(device).contiguous()
+    if on_device.data_ptr() == full.data_ptr():
+        on_device = on_device.clone()  # never overwrite the caller's tensor
+    collectives.broadcast_from_rank0(on_device)
+    return on_device
 
 
 def _wait_now(pending: collectives.Pending | None) -> None:

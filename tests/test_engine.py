@@ -323,3 +323,25 @@ def tied_meta_init(rank: int, world_size: int) -> bool:
 
 def test_a_tied_weight_takes_its_first_owners_initialisation() -> None:
     assert run_on_ranks(tied_meta_init, 2) == [True, True]
+
+
+def unseeded_ranks(rank: int, world_size: int, strategy: str, meta: bool) -> dict:
+    torch.manual_seed(100 + rank)  # every rank draws different initial weights
+    if meta:
+        with torch.device("meta"):
+            model = Chain()
+    else:
+        model = Chain()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()} if not meta else {}
+    engine = _shard(model, strategy, {nn.Linear})
+    return {"full": {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}, "original": original}
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("meta", [False, True])
+def test_every_rank_starts_from_rank_0s_weights(strategy: str, meta: bool) -> None:
+    results = run_on_ranks(unseeded_ranks, 2, strategy, meta)
+    for name, t in results[0]["full"].items():
+        torch.testing.assert_close(results[1]["full"][name], t, msg=name)  # replicas agree, shards fit together
+        if not meta:
+            torch.testing.assert_close(t, results[0]["original"][name], msg=name)  # rank 0's, as DDP does
