@@ -151,7 +151,8 @@ class _Plan:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.params: list[tuple[str, ShardedParam]] = []
         self.ties: dict[str, str] = {}
-        names = set(module.state_dict().keys())
+        state = module.state_dict()  # views of the shards and buffers: nothing is copied
+        names = set(state.keys())
         for p in engine.sharded_params():
             fqns = [f for f in p.fqns if f in names]
             if not fqns:
@@ -159,7 +160,7 @@ class _Plan:
             self.params.append((fqns[0], p))
             self.ties.update({f: fqns[0] for f in fqns[1:]})
         owned = {f for p in engine.sharded_params() for f in p.fqns}
-        self.buffers = [(k, v) for k, v in module.state_dict().items() if k not in owned]
+        self.buffers = [(k, v) for k, v in state.items() if k not in owned]
         self.optimizers = [_optimizer_plan(engine, opt, i) for i, opt in enumerate(optimizers)]
 
     def index_base(self, layout: StateDictType) -> dict[str, Any]:

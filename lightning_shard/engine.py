@@ -104,7 +104,8 @@ class ShardedModule:
             self._position = {id(u): i for i, u in enumerate(self._forward_order)}
 
     def _prefetch_next_forward(self, unit: ShardUnit) -> None:
-        self._recording.append(unit)
+        if len(self._recording) < 4 * len(self.units):  # bounded: forwards outside the root never end a recording
+            self._recording.append(unit)
         i = self._position.get(id(unit))
         if i is not None and i + 1 < len(self._forward_order) and self._forward_order[i + 1] is not unit:
             self._forward_order[i + 1].start_unshard()

@@ -62,7 +62,6 @@ def memory_report(engine: ShardedModule, optimizers: Iterable[Optimizer], rank: 
     grads = [p.sharded.grad for p in by_shard.values() if p.sharded.grad is not None]
     full_params = sum(p.numel * p.sharded.element_size() for p in by_shard.values())
     full_grads = sum(p.numel * p.sharded.element_size() for p in by_shard.values() if p.requires_grad)
-    state_bytes = 0
     full_state_bytes = 0
     state_tensors: list[Tensor] = []
     for optimizer in optimizers:

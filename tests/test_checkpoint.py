@@ -3,6 +3,7 @@ consolidation, and bad input failing fast on every rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from lightning_shard import consolidate, inspect
 from lightning_shard.checkpoint_format import INDEX_FILE
 from lightning_shard.testing import RankFailure, run_on_ranks
 from tests.checkpoint_fits import fit, global_losses
+from tests.fits import trainer_for
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +101,7 @@ def fit_ddp_same_data(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 
     L.seed_everything(0)
     module = LitModel("gpt")
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=DDPStrategy(), max_epochs=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = trainer_for(DDPStrategy(), world_size, steps=-1, max_epochs=2)
     trainer.fit(module, train_dataloaders=DataLoader(make_dataset("gpt"), batch_size=6, shuffle=False))
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
@@ -181,9 +182,7 @@ def failing_save(rank: int, world_size: int, ckpt_dir: str) -> str:
 
     L.seed_everything(1)
     module = Snapshots("gpt")
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
-                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = trainer_for(ShardStrategy(auto_wrap_policy={"GPTBlock"}), world_size, steps=2)
     trainer.fit(module, train_dataloaders=loader("gpt"))
     original = checkpoint_format.SafetensorsStreamWriter.write
 
@@ -252,21 +251,11 @@ def strict_false(rank: int, world_size: int, ckpt: str) -> list[str]:
             self.strict_loading = False
 
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
-                        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    with pytest.warns(UserWarning, match=r"missing keys \['extra.bias', 'extra.weight'\]") if rank == 0 else \
-            _nothing():
+    trainer = trainer_for(ShardStrategy(auto_wrap_policy={"GPTBlock"}), world_size, steps=-1, max_epochs=2)
+    expected = r"missing keys \['extra.bias', 'extra.weight'\]"  # rank 0 warns
+    with pytest.warns(UserWarning, match=expected) if rank == 0 else contextlib.nullcontext():
         trainer.fit(Extra(), train_dataloaders=loader("gpt"), ckpt_path=ckpt)
     return []
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def test_strict_false_loads_what_matches_and_reports_the_rest(saved: dict) -> None:
@@ -287,9 +276,7 @@ def from_model_file(rank: int, world_size: int, path: str) -> dict[str, torch.Te
 
     L.seed_everything(5)
     module = FineTune("gpt")
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
-                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = trainer_for(ShardStrategy(auto_wrap_policy={"GPTBlock"}), world_size, steps=1)
     trainer.fit(module, train_dataloaders=loader("gpt"))
     return module.loaded
 
@@ -308,6 +295,10 @@ def fp16_save_and_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:
     from lightning_shard import ShardPrecision, ShardStrategy
     from tests.models import LitModel, loader
 
+    class ScaleAtStart(LitModel):
+        def on_train_start(self) -> None:  # after the checkpoint was restored, before any new step
+            self.scale_at_start = self.trainer.precision_plugin.scaler.get_scale()
+
     def trainer(epochs: int) -> L.Trainer:
         return L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}),
                          max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -318,20 +309,19 @@ def fp16_save_and_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:
     first.fit(LitModel("gpt"), train_dataloaders=loader("gpt"))
     first.precision_plugin.scaler.update(new_scale=1234.0)
     first.save_checkpoint(f"{ckpt_dir}/fp16.ckpt")
-    second = trainer(2)
-    second.fit(LitModel("gpt"), train_dataloaders=loader("gpt"), ckpt_path=f"{ckpt_dir}/fp16.ckpt")
-    return {"restored_scale_was_used": second.precision_plugin.scaler.get_scale() != 65536.0}
+    second, resumed = trainer(2), ScaleAtStart("gpt")
+    second.fit(resumed, train_dataloaders=loader("gpt"), ckpt_path=f"{ckpt_dir}/fp16.ckpt")
+    return {"scale_at_resume": resumed.scale_at_start}
 
 
 def test_loss_scaler_state_is_saved_and_restored(tmp_path: Path) -> None:
     for r in run_on_ranks(fp16_save_and_resume, 2, str(tmp_path)):
-        assert r["restored_scale_was_used"]
+        assert r["scale_at_resume"] == 1234.0
     state = json.loads((tmp_path / "fp16.ckpt" / "trainer_state.json").read_text())
     assert state["ShardPrecision"]["scale"] == 1234.0
 
 
 def refused_saves(rank: int, world_size: int, ckpt_dir: str) -> list[str]:
-    import lightning as L
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     from lightning_shard import ShardStrategy
@@ -341,8 +331,7 @@ def refused_saves(rank: int, world_size: int, ckpt_dir: str) -> list[str]:
         pass
 
     messages = []
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardStrategy(), max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = trainer_for(ShardStrategy(), world_size, steps=1)
     trainer.fit(LitModel("mlp"), train_dataloaders=loader("mlp"))
     for call in (lambda: trainer.save_checkpoint(f"{ckpt_dir}/a", storage_options={"x": 1}),
                  lambda: (setattr(trainer.strategy, "checkpoint_io", CustomIO()),
