@@ -31,7 +31,7 @@ def clip_grad_norm_(
         total = total.pow(1.0 / norm_type)
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     if grads:
-        torch._foreach_mul_(grads, clip_coef)
+        torch._foreach_mul_(grads, clip_coef.to(grads[0].device))  # gradients may live in CPU memory (offload)
     return total
 
 

@@ -2,9 +2,16 @@
 
 Each function takes the group to run on and calls ``torch.distributed`` through the module
 attribute (``dist.all_gather_single``), so a test can wrap those to count calls and bytes.
-The backend decides how a reduce-scatter is done: gloo's ``reduce_scatter`` is about twice as
-slow as its ``all_reduce`` on the same buffer, so on gloo the reduce-scatter is an all-reduce
-followed by taking this rank's chunk (same result, same summation as DDP's all-reduce).
+The backend decides how a collective is done (see [Note: the fast path per backend] in
+docs/design.md):
+
+- gloo's ``reduce_scatter`` is about twice as slow as its ``all_reduce`` on the same buffer, so on
+  gloo the reduce-scatter is an all-reduce followed by taking this rank's chunk (same result, same
+  summation as DDP's all-reduce).
+- gloo copies every all-gather's result out of its own receive buffer anyway, so on gloo a unit's
+  all-gather writes each parameter's pieces straight to their places (one coalesced collective),
+  instead of gathering rank-major and copying into the param-major buffer afterwards. On NCCL the
+  flat all-gather followed by one copy kernel is the proven fast path.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ class Pending:
     def wait(self) -> Tensor | None:
         if self._work is not None:
             start = time.perf_counter()
-            self._work.wait()
+            with record_function("lightning_shard::wait"):
+                self._work.wait()
             STATS.seconds += time.perf_counter() - start
             self._work = None
         return self._finish()
@@ -62,6 +70,26 @@ def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, a
     STATS.seconds += time.perf_counter() - start
     STATS.all_gather_bytes += output.numel() * output.element_size()
     return Pending(work, lambda: output)
+
+
+def gathers_into_pieces(group: ProcessGroup | None) -> bool:
+    """Whether ``all_gather_pieces`` is this backend's fast path for gathering a unit (gloo: yes)."""
+    return dist.get_backend(group) == "gloo"
+
+
+def all_gather_pieces(
+    outputs: list[Tensor], inputs: list[Tensor], group: ProcessGroup | None, async_op: bool = False
+) -> Pending:
+    """For every pair, fill ``outputs[i]`` (1D, ``group size * inputs[i].numel()``) with every rank's ``inputs[i]``,
+    rank-major, in one coalesced collective. ``wait()`` returns ``None``: the results are in ``outputs``."""
+    start = time.perf_counter()
+    with record_function("lightning_shard::all_gather"):
+        with dist._coalescing_manager(group, async_ops=async_op) as coalesced:
+            for output, shard in zip(outputs, inputs):
+                dist.all_gather_single(output, shard, group=group)
+    STATS.seconds += time.perf_counter() - start
+    STATS.all_gather_bytes += sum(o.numel() * o.element_size() for o in outputs)
+    return Pending(coalesced if async_op else None, lambda: None)
 
 
 def reduce_scatter_sum(

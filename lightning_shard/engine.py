@@ -59,6 +59,7 @@ class ShardedModule:
     def __init__(self, root: nn.Module, units: list[ShardUnit], mesh: ShardMesh, strategy: ShardingStrategy) -> None:
         self.root = root
         self.units = units  # module order: root first
+        self.device = units[0].device  # where the model computes and communicates
         self.mesh = mesh
         self.sharding_strategy = strategy
         self._callback_queued = False
@@ -174,14 +175,15 @@ class ShardedModule:
     # Full tensors #
 
     def gather_full(self, p: ShardedParam, local: Tensor) -> Tensor:
-        """Assemble the full tensor from every rank's rows of ``local`` (shaped like ``p.sharded``). Collective."""
+        """Assemble the full tensor from every rank's rows of ``local`` (shaped like ``p.sharded``), on ``local``'s
+        device. Collective (communicated on the model's device)."""
         if self.mesh.shard_group is None and self.mesh.shard_size == 1:
             return local.detach().reshape(p.global_shape).clone()
-        padded = torch.zeros(p.rows_per_rank, *p.row_shape, dtype=local.dtype, device=local.device)
+        padded = torch.zeros(p.rows_per_rank, *p.row_shape, dtype=local.dtype, device=self.device)
         padded[: p.local_rows].copy_(local.detach().reshape(p.local_rows, *p.row_shape))
-        out = torch.empty(self.mesh.shard_size * p.rows_per_rank, *p.row_shape, dtype=local.dtype, device=local.device)
+        out = torch.empty(self.mesh.shard_size * p.rows_per_rank, *p.row_shape, dtype=local.dtype, device=self.device)
         collectives.all_gather_flat(out.view(-1), padded.view(-1), self.mesh.shard_group)
-        return out[: p.rows].reshape(p.global_shape)
+        return out[: p.rows].reshape(p.global_shape).to(local.device)
 
 
 def shard_module(
@@ -191,8 +193,13 @@ def shard_module(
     policy: WrapPolicy | None,
     device: torch.device,
     mixed_precision: MixedPrecision | None = None,
+    cpu_offload: bool = False,
 ) -> ShardedModule:
-    """Shard ``root`` in place: afterwards its parameters are this rank's shards and forward gathers them."""
+    """Shard ``root`` in place: afterwards its parameters are this rank's shards and forward gathers them.
+
+    With ``cpu_offload`` the shards (and so gradients and optimizer state) live in CPU memory while the model
+    computes on ``device`` (see [Note: CPU offload] in ``unit.py``).
+    """
     existing = getattr(root, _ENGINE_ATTR, None)
     if existing is not None:  # sharded before (an earlier stage or Trainer): keep the shards, use the new groups
         existing.rebind_mesh(mesh)
@@ -230,7 +237,10 @@ def shard_module(
         sps = assignment[id(module)]
         reduce_dtype = parse_dtype(mixed_precision.reduce_dtype) if mixed_precision is not None else None
         reshard_here = reshard and module is not root
-        unit = ShardUnit(name, module, sps, mesh, device, reshard_after_forward=reshard_here, reduce_dtype=reduce_dtype)
+        unit = ShardUnit(
+            name, module, sps, mesh, device, reshard_after_forward=reshard_here, reduce_dtype=reduce_dtype,
+            shard_device=torch.device("cpu") if cpu_offload else None,
+        )
         if any(full[id(sp)].is_meta for sp in sps):
             unit.init_from_reset_parameters(meta_modules[id(module)], full, device)
         else:

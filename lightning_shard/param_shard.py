@@ -117,10 +117,11 @@ class ShardedParam:
         with torch.no_grad():
             self.sharded.copy_(rows)
 
-    def grad_rows(self, full_grad: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """``full_grad`` as ``(rows, row_numel)`` in ``dtype`` for chunking; zeros if the parameter got no gradient."""
+    def grad_rows(self, full_grad: Tensor | None, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``full_grad`` as ``(rows, row_numel)`` in ``dtype`` for chunking; zeros (on ``device``) if the parameter
+        got no gradient."""
         if full_grad is None:
-            return torch.zeros(self.rows, self.row_numel, dtype=dtype, device=self.sharded.device)
+            return torch.zeros(self.rows, self.row_numel, dtype=dtype, device=device)
         return full_grad.reshape(self.rows, self.row_numel).to(dtype)
 
     # Module attributes #

@@ -45,11 +45,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        comm_device = self._scale.device if self._scale is not None else torch.device(self._device)
         if not per_device:  # this rank holds no gradient rows: it still votes
-            device = self._scale.device if self._scale is not None else torch.device(self._device)
-            per_device[device] = torch.zeros(1, device=device)
-        found = torch.stack([v.reshape(()) for v in per_device.values()]).max().reshape(1)
-        collectives.all_reduce_max(found, None)
+            per_device[comm_device] = torch.zeros(1, device=comm_device)
+        found = torch.stack([v.reshape(()).to(comm_device) for v in per_device.values()]).max().reshape(1)
+        collectives.all_reduce_max(found, None)  # on the scaler's device: gradients may live in CPU memory
         for v in per_device.values():
             v.copy_(found.reshape(v.shape))
 

@@ -90,6 +90,9 @@ class ShardStrategy(ParallelStrategy):
         state_dict_type: ``"sharded"`` (default): checkpoints are directories where every rank writes its own rows
             in safetensors; ``"full"``: rank 0 streams the gathered model into one ``model.safetensors`` (and the
             optimizer into ``optimizer.safetensors``). Both load at any world size.
+        cpu_offload: keep parameter shards, gradients and optimizer state in CPU memory and run the optimizer step
+            on the CPU; each unit's weights are uploaded to the GPU when it is gathered. Frees GPU memory at the
+            cost of host-device copies every step. On a CPU device it changes nothing (a warning says so).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: timeout of the process group's collectives.
     """
@@ -113,6 +116,7 @@ class ShardStrategy(ParallelStrategy):
         activation_checkpointing_policy: WrapPolicySpec = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        cpu_offload: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -132,6 +136,9 @@ class ShardStrategy(ParallelStrategy):
         self._checkpointing_policy = resolve_wrap_policy(activation_checkpointing_policy)
         self.grad_sync = GradSync.parse(grad_sync)
         self._state_dict_type = StateDictType.parse(state_dict_type)
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"cpu_offload must be True or False, got {cpu_offload!r}.")
+        self.cpu_offload = cpu_offload
         self._mesh: ShardMesh | None = None
         self._engine: ShardedModule | None = None
         self._owns_process_group = False
@@ -178,6 +185,11 @@ class ShardStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def offloads(self) -> bool:
+        """Whether shards live in CPU memory while the model computes on an accelerator (``cpu_offload``)."""
+        return self.cpu_offload and self.root_device.type != "cpu"
 
     @property
     def mesh(self) -> ShardMesh:
@@ -245,14 +257,20 @@ class ShardStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:  # optimizer state lives with the shards
+            _optimizers_to_device(self.optimizers, torch.device("cpu") if self.offloads else self.root_device)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place (the LightningModule is the root unit); it stays the same object."""
+        if self.cpu_offload and not self.offloads:
+            rank_zero_warn(
+                "ShardStrategy(cpu_offload=True) has no effect on a CPU device: the shards already live in CPU"
+                " memory. It offloads when training on GPUs."
+            )
         self._engine = shard_module(
-            model, self.mesh, self.sharding_strategy, self._wrap_policy, self.root_device, self.mixed_precision_config
+            model, self.mesh, self.sharding_strategy, self._wrap_policy, self.root_device, self.mixed_precision_config,
+            cpu_offload=self.offloads,
         )
         if self._checkpointing_policy is not None:
             apply_activation_checkpointing(model, self._checkpointing_policy)
@@ -494,11 +512,13 @@ class ShardStrategy(ParallelStrategy):
             "shard": ("Fully sharded data parallel (ZeRO-3) on CPU or GPU", "FULL_SHARD"),
             "shard_grad_op": ("Sharded gradients and optimizer state (ZeRO-2)", "SHARD_GRAD_OP"),
             "shard_hybrid": ("Sharded within groups, replicated across them", "HYBRID_SHARD"),
+            "shard_offload": ("Fully sharded, with shards and optimizer state in CPU memory", "FULL_SHARD"),
         }
         for name, (description, sharding) in entries.items():
             if name in strategy_registry:
                 continue
-            strategy_registry.register(name, cls, description=description, sharding_strategy=sharding)
+            extra = {"cpu_offload": True} if name == "shard_offload" else {}
+            strategy_registry.register(name, cls, description=description, sharding_strategy=sharding, **extra)
             cls._registered_strategies.append(name)
 
 

@@ -12,6 +12,13 @@ A unit owns two flat buffers:
 When nothing needs gathering or casting (one-rank shard group, compute dtype = parameter dtype,
 as under ``NO_SHARD`` in fp32) the unsharded buffer is a byte view of the sharded one.
 
+[Note: CPU offload]
+With ``shard_device`` set (``cpu_offload=True`` on a GPU), ``flat_sharded`` lives in pinned CPU
+memory: the sharded faces, their gradients and the optimizer state are CPU tensors and the optimizer
+steps on the CPU. Only ``flat_unsharded`` lives on the GPU. Each gather first uploads this rank's
+chunk (one non-blocking copy per compute-dtype run into a GPU send buffer), and each reduction
+downloads this rank's reduced rows into the CPU gradients. Collectives only ever see GPU tensors.
+
 [Note: unit states and autograd]
 A unit is ``SHARDED`` or ``UNSHARDED`` (its full weights exist), and its modules hold the
 matching faces. Forward runs unsharded: the pre-forward hook all-gathers (one collective, in the
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -73,8 +81,11 @@ class ShardUnit:
         device: torch.device,
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None = None,
+        shard_device: torch.device | None = None,
     ) -> None:
         self.name = name
+        self.device = device  # where the unit computes and communicates
+        self.shard_device = shard_device or device  # where its shards live: see [Note: CPU offload]
         self.module = module
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
@@ -91,7 +102,8 @@ class ShardUnit:
         self.params = sorted(params, key=lambda p: -p.gather_dtype.itemsize)
         self.trainable = [p for p in self.params if p.requires_grad]
         self._layout()
-        self.flat_sharded = torch.zeros(self.sharded_numel, dtype=self.dtype, device=device)
+        pin = self.offloaded and device.type == "cuda"
+        self.flat_sharded = torch.zeros(self.sharded_numel, dtype=self.dtype, device=self.shard_device, pin_memory=pin)
         if self.materializes:
             self.flat_unsharded = torch.empty(self.gather_bytes * mesh.shard_size, dtype=torch.uint8, device=device)
         else:
@@ -103,6 +115,7 @@ class ShardUnit:
                 p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         self.state = UnitState.UNSHARDED
         self._pending_gather: collectives.Pending | None = None
+        self._restore_version: AbstractContextManager = nullcontext()
         self.backward_state = BackwardState.IDLE
         self.hold_grads = False  # set by the engine while gradients accumulate unreduced (grad_sync="step")
         self._forward_depth = 0
@@ -143,9 +156,14 @@ class ShardUnit:
         return self.mesh.shard_size > 1
 
     @property
+    def offloaded(self) -> bool:
+        """Whether the shards live on another device than the one the unit computes on (CPU offload)."""
+        return self.shard_device != self.device
+
+    @property
     def materializes(self) -> bool:
-        """Whether the full weights live in their own buffer (gathered, or cast to the compute dtype)."""
-        return self.gathers or self.casts
+        """Whether the full weights live in their own buffer (gathered, cast to the compute dtype, or uploaded)."""
+        return self.gathers or self.casts or self.offloaded
 
     @property
     def is_sharded(self) -> bool:
@@ -171,21 +189,34 @@ class ShardUnit:
             return
         with record_function(f"lightning_shard::unshard({self.name})"):
             self.flat_unsharded.untyped_storage().resize_(self.flat_unsharded.numel())
+            # The version to restore once the gather has landed (the backend's thread may write, and so bump
+            # the version counter, any time before wait() returns): see [Note: unit states and autograd].
+            self._restore_version = torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded)
             send = self._all_gather_input()
-            if self.gathers:
-                gathered = torch.empty(self.mesh.shard_size * self.gather_bytes, dtype=torch.uint8, device=send.device)
-                self._pending_gather = collectives.all_gather_flat(gathered, send, self.mesh.shard_group, async_op)
-            else:
+            group = self.mesh.shard_group
+            if not self.gathers:
                 self._pending_gather = collectives.Pending(None, lambda: send)
+            elif collectives.gathers_into_pieces(group):
+                pieces = [p for p in self.params if p.padded_gather_bytes > 0]
+                with torch.no_grad():
+                    self._pending_gather = collectives.all_gather_pieces(
+                        [p.unsharded_region(self.flat_unsharded) for p in pieces],
+                        [send[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for p in pieces],
+                        group,
+                        async_op,
+                    )
+            else:
+                gathered = torch.empty(self.mesh.shard_size * self.gather_bytes, dtype=torch.uint8, device=send.device)
+                self._pending_gather = collectives.all_gather_flat(gathered, send, group, async_op)
 
     def _finish_unshard(self) -> None:
         pending, self._pending_gather = self._pending_gather, None
-        if pending is not None:
-            gathered = pending.wait()
-            assert gathered is not None
-            n = self.mesh.shard_size
-            # See [Note: unit states and autograd]: restore, don't modify, what autograd saved.
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
+        # See [Note: unit states and autograd]: restore, don't modify, what autograd saved.
+        restore_version, self._restore_version = self._restore_version, nullcontext()
+        with torch.no_grad(), restore_version:
+            gathered = pending.wait() if pending is not None else None
+            if gathered is not None:  # gathered rank-major (or only cast): copy into the param-major buffer
+                n = self.mesh.shard_size
                 torch.split_with_sizes_copy(
                     gathered.view(n, -1),
                     [p.padded_gather_bytes for p in self.params],
@@ -197,14 +228,18 @@ class ShardUnit:
             p.expose_unsharded()
 
     def _all_gather_input(self) -> Tensor:
-        """This rank's chunk as bytes: the sharded buffer itself, or a copy cast to the compute dtypes."""
-        if not self.casts:
+        """This rank's chunk as bytes on the compute device: the sharded buffer itself, or a copy (cast to the
+        compute dtypes, uploaded from CPU memory under offload)."""
+        if not self.casts and not self.offloaded:
             return self.flat_sharded.view(torch.uint8)
-        send = torch.empty(self.gather_bytes, dtype=torch.uint8, device=self.flat_sharded.device)
+        send = torch.empty(self.gather_bytes, dtype=torch.uint8, device=self.device)
+        if not self.casts:
+            send.copy_(self.flat_sharded.view(torch.uint8), non_blocking=True)
+            return send
         with torch.no_grad():
             for dtype, start, end, byte_start in self._cast_runs:
                 send[byte_start : byte_start + (end - start) * dtype.itemsize].view(dtype).copy_(
-                    self.flat_sharded[start:end]
+                    self.flat_sharded[start:end], non_blocking=True
                 )
         return send
 
@@ -240,14 +275,14 @@ class ShardUnit:
         grads = [p.unsharded.grad for p in self.trainable]
         for p in self.trainable:
             p.unsharded.grad = None
-        device = self.flat_sharded.device
+        device = self.device
         present = {g.dtype for g in grads if g is not None}
         in_dtype = present.pop() if len(present) == 1 else self.reduce_dtype  # _chunk_cat wants one input dtype
         # Each rank's chunk ends with k "was used" flags, so that after the sum every rank knows which
         # parameters got a gradient on some rank: those unused everywhere keep grad None, as with DDP.
         used = torch.tensor([g is not None for g in grads], dtype=in_dtype, device=device)
         chunked = torch.empty(n, self.grad_sharded_numel + k, dtype=self.reduce_dtype, device=device)
-        pieces = [p.grad_rows(g, in_dtype) for p, g in zip(self.trainable, grads)]
+        pieces = [p.grad_rows(g, in_dtype, device) for p, g in zip(self.trainable, grads)]
         torch._chunk_cat([*pieces, used.expand(n, k)], dim=0, num_chunks=n, out=chunked)  # casts to reduce dtype
         del grads, pieces  # the unsharded gradients are copied: free them before communicating
         # DDP divides by the world size before summing. For a power-of-two world size dividing this rank's
@@ -267,7 +302,9 @@ class ShardUnit:
         if self.mesh.replicate_group is not None:
             collectives.all_reduce_sum(reduced, self.mesh.replicate_group)
         used_anywhere = (reduced[self.grad_sharded_numel :] > 0).tolist()
-        shard_grads = reduced if self.reduce_dtype == self.dtype else reduced[: self.grad_sharded_numel].to(self.dtype)
+        shard_grads = reduced
+        if self.reduce_dtype != self.dtype or self.offloaded:  # to the shards' dtype and device
+            shard_grads = reduced[: self.grad_sharded_numel].to(device=self.shard_device, dtype=self.dtype)
         for p, is_used in zip(self.trainable, used_anywhere):
             if not is_used:
                 continue
@@ -330,7 +367,7 @@ class ShardUnit:
         """Fill the sharded faces from the original full parameters (``id(ShardedParam)`` -> tensor), as global
         rank 0 holds them (see ``_from_rank0``)."""
         for p in self.params:
-            p.copy_rows_from_full(_from_rank0(full[id(p)], self.flat_sharded.device))
+            p.copy_rows_from_full(_from_rank0(full[id(p)], self.device))
         self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
         self.reshard()
 

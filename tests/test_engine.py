@@ -3,6 +3,7 @@ several forwards before one backward, no_grad forwards, meta-device init, collec
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -148,20 +149,38 @@ def count_collectives(rank: int, world_size: int) -> dict:
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine = _shard(model, "FULL_SHARD", {nn.Linear})
     calls: dict[str, list[int]] = {"all_gather": [], "reduce": []}
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_reduce", "reduce_scatter_single")}
+    names = ("all_gather_single", "all_reduce", "reduce_scatter_single", "_coalescing_manager")
+    originals = {name: getattr(dist, name) for name in names}
+    coalescing: list[bool] = []  # non-empty inside a coalesced block: its calls are one collective
 
     def counting(name: str, kind: str):  # noqa: ANN202
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            calls[kind].append(args[0].numel() * args[0].element_size() if kind == "reduce" else
-                               args[1].numel() * args[1].element_size() * world_size)
+            size = (args[0].numel() * args[0].element_size() if kind == "reduce" else
+                    args[1].numel() * args[1].element_size() * world_size)
+            if coalescing and coalescing[-1]:
+                calls[kind][-1] += size
+            else:
+                calls[kind].append(size)
+                if coalescing:
+                    coalescing[-1] = True
             return originals[name](*args, **kwargs)
         return wrapper
+
+    @contextlib.contextmanager
+    def coalesced_block(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        coalescing.append(False)
+        try:
+            with originals["_coalescing_manager"](*args, **kwargs) as manager:
+                yield manager
+        finally:
+            coalescing.pop()
 
     x = torch.randn(2, 4)
     try:
         dist.all_gather_single = counting("all_gather_single", "all_gather")
         dist.all_reduce = counting("all_reduce", "reduce")
         dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce")
+        dist._coalescing_manager = coalesced_block
         out = model(x).sum()
         forward_gathers = len(calls["all_gather"])
         out.backward()
