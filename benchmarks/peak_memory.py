@@ -81,6 +81,7 @@ def _worker(rank: int, variant: str, port: int, out: mp.Queue) -> None:
     # Both engines' imports happen before the baseline, so only model state and activations are measured.
     from torch.distributed.fsdp import fully_shard
 
+    from lightning_shard import collectives
     from lightning_shard.activation_checkpointing import apply_activation_checkpointing
     from lightning_shard.engine import shard_module
     from lightning_shard.mesh import build_shard_mesh
@@ -103,15 +104,7 @@ def _worker(rank: int, variant: str, port: int, out: mp.Queue) -> None:
         engine = shard_module(model, build_shard_mesh(strategy, None), strategy, policy, torch.device("cpu"))
         if options.get("checkpointing"):
             apply_activation_checkpointing(model, policy)
-    reduced = 0
-    original_all_reduce = dist.all_reduce
-
-    def counting(tensor: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        nonlocal reduced
-        reduced += tensor.numel() * tensor.element_size()
-        return original_all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting
+    reduced_before = collectives.STATS.reduce_bytes  # the engine's gradient reductions (input bytes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     accumulate = options.get("accumulate", 1)
@@ -124,8 +117,8 @@ def _worker(rank: int, variant: str, port: int, out: mp.Queue) -> None:
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    dist.all_reduce = original_all_reduce
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    reduced = collectives.STATS.reduce_bytes - reduced_before
     out.put((rank, peak - baseline, reduced / 3 / 2**20))
     dist.destroy_process_group()
 

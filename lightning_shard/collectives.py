@@ -1,17 +1,15 @@
 """The collectives the engine uses, as plain functions with no hook logic.
 
 Each function takes the group to run on and calls ``torch.distributed`` through the module
-attribute (``dist.all_gather_single``), so a test can wrap those to count calls and bytes.
-The backend decides how a collective is done (see [Note: the fast path per backend] in
-docs/design.md):
+attribute, so a test can wrap either layer to count calls and bytes. The backend decides how a
+collective is done (see [Note: the fast path per backend] in docs/design.md):
 
-- gloo's ``reduce_scatter`` is about twice as slow as its ``all_reduce`` on the same buffer, so on
-  gloo the reduce-scatter is an all-reduce followed by taking this rank's chunk (same result, same
-  summation as DDP's all-reduce).
-- gloo copies every all-gather's result out of its own receive buffer anyway, so on gloo a unit's
-  all-gather writes each parameter's pieces straight to their places (one coalesced collective),
-  instead of gathering rank-major and copying into the param-major buffer afterwards. On NCCL the
-  flat all-gather followed by one copy kernel is the proven fast path.
+- On gloo (CPU), a unit's all-gather and its gradient reduce-scatter are point-to-point exchanges:
+  every rank sends each peer what that peer needs and receives straight into place. The gathered
+  pieces land in the param-major buffer with no copy out of a receive buffer, and the reduction
+  moves half the bytes of the all-reduce that gloo's own slow ``reduce_scatter`` would lose to.
+- On NCCL, ``all_gather_single`` into one rank-major buffer (copied into the param-major one by a
+  single kernel) and ``reduce_scatter_single``, asynchronous on the process group's stream.
 """
 
 from __future__ import annotations
@@ -47,19 +45,25 @@ STATS = CollectiveStats()
 
 
 class Pending:
-    """A collective that has been issued and may still be running; ``wait()`` returns its result."""
+    """A collective that has been issued and may still be running; ``wait()`` returns its result (computed once:
+    later calls return the same)."""
 
     def __init__(self, work: Any, finish: Callable[[], Tensor | None]) -> None:
         self._work, self._finish = work, finish
+        self._done = False
+        self._result: Tensor | None = None
 
     def wait(self) -> Tensor | None:
+        if self._done:
+            return self._result
         if self._work is not None:
             start = time.perf_counter()
             with record_function("lightning_shard::wait"):
                 self._work.wait()
             STATS.seconds += time.perf_counter() - start
             self._work = None
-        return self._finish()
+        self._done, self._result = True, self._finish()
+        return self._result
 
 
 def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, async_op: bool = False) -> Pending:
@@ -72,46 +76,86 @@ def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, a
     return Pending(work, lambda: output)
 
 
-def gathers_into_pieces(group: ProcessGroup | None) -> bool:
-    """Whether ``all_gather_pieces`` is this backend's fast path for gathering a unit (gloo: yes)."""
+def exchanges_point_to_point(group: ProcessGroup | None) -> bool:
+    """Whether this backend's fast path is the point-to-point ``exchange`` (gloo: yes; NCCL: no, it uses
+    ``all_gather_flat`` with one copy kernel and ``reduce_scatter_sum``)."""
     return dist.get_backend(group) == "gloo"
+
+
+def exchange(outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup | None) -> Pending:
+    """Send ``outgoing[q]`` to group rank ``q`` and receive ``incoming[q]`` from it, tensor by tensor, for every
+    other rank ``q`` (this rank's own entries are ignored). Asynchronous; ``wait()`` returns ``None``.
+
+    Both sides must list matching tensor sizes in the same order (see ``_EXCHANGE_TAG``).
+    """
+    start = time.perf_counter()
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    works: list[Any] = []
+    for peer in [(rank + i) % size for i in range(1, size)]:  # no rank is everybody's first peer
+        for tensor in incoming[peer]:
+            works.append(dist.irecv(tensor, group=group, group_src=peer, tag=_EXCHANGE_TAG))
+        for tensor in outgoing[peer]:
+            works.append(dist.isend(tensor, group=group, group_dst=peer, tag=_EXCHANGE_TAG))
+    STATS.seconds += time.perf_counter() - start
+    return Pending(_AllWorks(works), lambda: None)
+
+
+# Point-to-point messages between two ranks are matched in the order they are posted. Every rank issues the
+# engine's exchanges in the same order, so the n-th message from a peer is always the n-th one expected; the
+# tag keeps them apart from any point-to-point traffic of the user's own on the same group.
+_EXCHANGE_TAG = 0x5A4D
+
+
+class _AllWorks:
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def all_gather_pieces(
     outputs: list[Tensor], inputs: list[Tensor], group: ProcessGroup | None, async_op: bool = False
 ) -> Pending:
     """For every pair, fill ``outputs[i]`` (1D, ``group size * inputs[i].numel()``) with every rank's ``inputs[i]``,
-    rank-major, in one coalesced collective. ``wait()`` returns ``None``: the results are in ``outputs``."""
-    start = time.perf_counter()
+    rank-major: this rank's piece is copied into place and every other rank's piece is received straight into
+    place. ``wait()`` returns ``None``: the results are in ``outputs``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    slots = [output.view(size, -1) for output in outputs]
     with record_function("lightning_shard::all_gather"):
-        with dist._coalescing_manager(group, async_ops=async_op) as coalesced:
-            for output, shard in zip(outputs, inputs):
-                dist.all_gather_single(output, shard, group=group)
-    STATS.seconds += time.perf_counter() - start
+        pending = exchange([inputs] * size, [[slot[q] for slot in slots] for q in range(size)], group)
+        for slot, piece in zip(slots, inputs):
+            slot[rank].copy_(piece)
     STATS.all_gather_bytes += sum(o.numel() * o.element_size() for o in outputs)
-    return Pending(coalesced if async_op else None, lambda: None)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def reduce_scatter_exchange(
+    outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup | None, nbytes: int
+) -> Pending:
+    """The point-to-point part of a reduce-scatter (``exchange``); the caller sums what arrives. ``nbytes``: the
+    size of the equivalent reduce-scatter's input, for ``STATS``."""
+    STATS.reduce_bytes += nbytes
+    with record_function("lightning_shard::reduce_scatter"):
+        return exchange(outgoing, incoming, group)
 
 
 def reduce_scatter_sum(
-    full: Tensor, group: ProcessGroup, group_rank: int, async_op: bool = False, divide_by: int = 1
+    full: Tensor, group: ProcessGroup, async_op: bool = False, divide_by: int = 1
 ) -> Pending:
     """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (new tensor)
-    divided by ``divide_by``.
-
-    ``full`` is clobbered on backends where the reduction runs in place.
-    """
+    divided by ``divide_by``."""
     group_size = dist.get_world_size(group)
     start = time.perf_counter()
     STATS.reduce_bytes += full.numel() * full.element_size()
     with record_function("lightning_shard::reduce_scatter"):
-        if dist.get_backend(group) == "gloo":
-            work = dist.all_reduce(full, group=group, async_op=async_op)
-            STATS.seconds += time.perf_counter() - start
-            return Pending(work, lambda: torch.div(full.view(group_size, -1)[group_rank], divide_by))
         out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
         work = dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
-        STATS.seconds += time.perf_counter() - start
-        return Pending(work, lambda: out.div_(divide_by) if divide_by != 1 else out)
+    STATS.seconds += time.perf_counter() - start
+    return Pending(work, lambda: out.div_(divide_by) if divide_by != 1 else out)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:

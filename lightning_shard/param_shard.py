@@ -74,7 +74,12 @@ class ShardedParam:
     @property
     def local_rows(self) -> int:
         """Real (unpadded) rows this rank holds; 0 when there are fewer rows than ranks."""
-        return max(0, min(self.rows_per_rank, self.rows - self.first_row))
+        return self.rows_held_by(self.shard_rank)[1]
+
+    def rows_held_by(self, shard_rank: int) -> tuple[int, int]:
+        """``(first row, number of real rows)`` that the rank ``shard_rank`` of the shard group holds."""
+        first = shard_rank * self.rows_per_rank
+        return first, max(0, min(self.rows_per_rank, self.rows - first))
 
     @property
     def numel(self) -> int:

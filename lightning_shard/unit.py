@@ -189,14 +189,14 @@ class ShardUnit:
             return
         with record_function(f"lightning_shard::unshard({self.name})"):
             self.flat_unsharded.untyped_storage().resize_(self.flat_unsharded.numel())
-            # The version to restore once the gather has landed (the backend's thread may write, and so bump
-            # the version counter, any time before wait() returns): see [Note: unit states and autograd].
+            # The version to restore once the gather has landed (a backend thread may write, and so bump the
+            # version counter, any time before wait() returns): see [Note: unit states and autograd].
             self._restore_version = torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded)
             send = self._all_gather_input()
             group = self.mesh.shard_group
             if not self.gathers:
                 self._pending_gather = collectives.Pending(None, lambda: send)
-            elif collectives.gathers_into_pieces(group):
+            elif collectives.exchanges_point_to_point(group):
                 pieces = [p for p in self.params if p.padded_gather_bytes > 0]
                 with torch.no_grad():
                     self._pending_gather = collectives.all_gather_pieces(
@@ -275,6 +275,8 @@ class ShardUnit:
         grads = [p.unsharded.grad for p in self.trainable]
         for p in self.trainable:
             p.unsharded.grad = None
+        if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_group):
+            return self._start_exchange_reduce(grads)
         device = self.device
         present = {g.dtype for g in grads if g is not None}
         in_dtype = present.pop() if len(present) == 1 else self.reduce_dtype  # _chunk_cat wants one input dtype
@@ -292,11 +294,67 @@ class ShardUnit:
             chunked.div_(mesh.world_size)
         if mesh.shard_group is not None:
             reduction = collectives.reduce_scatter_sum(
-                chunked.view(-1), mesh.shard_group, mesh.shard_rank, async_op, mesh.world_size if power_of_two else 1
+                chunked.view(-1), mesh.shard_group, async_op, mesh.world_size if power_of_two else 1
             )
         else:
             reduction = collectives.Pending(None, lambda: chunked.view(-1))
         return collectives.Pending(None, lambda: self._finish_reduce(_result(reduction)))
+
+    def _start_exchange_reduce(self, grads: list[Tensor | None]) -> collectives.Pending:
+        """The reduce-scatter as a point-to-point exchange (see [Note: the fast path per backend]): every rank
+        sends each peer that peer's rows of every gradient, straight from the gradients (no rank-major copy),
+        and sums what it receives for its own rows. The result has the layout ``_start_reduce`` gives."""
+        mesh = self.mesh
+        n, me, k, total = mesh.shard_size, mesh.shard_rank, len(self.trainable), self.grad_sharded_numel
+        with torch.no_grad():
+            used = torch.tensor([g is not None for g in grads], dtype=self.reduce_dtype, device=self.device)
+            mats = [p.grad_rows(g, self.reduce_dtype, self.device) for p, g in zip(self.trainable, grads)]
+            del grads
+            power_of_two = mesh.world_size & (mesh.world_size - 1) == 0
+            if not power_of_two:  # DDP divides before summing; for a power of two, after is the same bits
+                mats = [m / mesh.world_size for m in mats]
+            # What each peer sends for this rank's rows, one row per peer in the reduction's layout; with more
+            # than two ranks a row for this rank's own part too, so that the rows are summed in rank order.
+            received = torch.empty(n if n > 2 else 1, total + k, dtype=self.reduce_dtype, device=self.device)
+
+            def row_of(rank: int) -> Tensor:
+                return received[rank if n > 2 else 0]
+
+            def own_piece(row: Tensor, p: ShardedParam) -> Tensor:
+                return row[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel]
+
+            outgoing: list[list[Tensor]] = [[] for _ in range(n)]
+            incoming: list[list[Tensor]] = [[] for _ in range(n)]
+            for q in range(n):
+                if q == me:
+                    continue
+                for p, m in zip(self.trainable, mats):
+                    first, count = p.rows_held_by(q)
+                    if count:
+                        outgoing[q].append(m[first : first + count].view(-1))
+                    if p.local_rows:
+                        incoming[q].append(own_piece(row_of(q), p))
+                outgoing[q].append(used)
+                incoming[q].append(row_of(q)[total:])
+        rank_major_bytes = n * (total + k) * self.reduce_dtype.itemsize  # what a reduce-scatter's input would be
+        exchange = collectives.reduce_scatter_exchange(outgoing, incoming, mesh.shard_group, rank_major_bytes)
+
+        def summed() -> Tensor:
+            exchange.wait()
+            with torch.no_grad():
+                # Two ranks: add this rank's part into the peer's row (a + b == b + a). More: put it in its own
+                # row and sum the rows in rank order, the same order on every rank.
+                target = row_of(me)
+                place = Tensor.add_ if n == 2 else Tensor.copy_
+                for p, m in zip(self.trainable, mats):
+                    if p.local_rows:
+                        first, count = p.rows_held_by(me)
+                        place(own_piece(target, p), m[first : first + count].view(-1))
+                place(target[total:], used)
+                out = target if n == 2 else received.sum(0)
+                return out.div_(mesh.world_size) if power_of_two else out
+
+        return collectives.Pending(None, lambda: self._finish_reduce(summed()))
 
     def _finish_reduce(self, reduced: Tensor) -> None:
         if self.mesh.replicate_group is not None:

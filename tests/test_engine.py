@@ -3,7 +3,6 @@ several forwards before one backward, no_grad forwards, meta-device init, collec
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_shard import collectives
 from lightning_shard.engine import shard_module
 from lightning_shard.mesh import build_shard_mesh
 from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
@@ -98,7 +98,7 @@ def odd_shapes_roundtrip(rank: int, world_size: int, strategy: str) -> None:
     assert all(u.state is UnitState.SHARDED for u in engine.units)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_odd_shapes_shard_gather_and_reduce(world_size: int, strategy: str) -> None:
     run_on_ranks(odd_shapes_roundtrip, world_size, strategy)
@@ -144,49 +144,38 @@ def test_several_forwards_before_one_backward(strategy: str) -> None:
 
 
 def count_collectives(rank: int, world_size: int) -> dict:
+    """Every collective the engine issues goes through ``lightning_shard.collectives``: count calls and bytes there
+    (all-gathers by their output, reductions by their input)."""
     torch.manual_seed(0)
     model = Chain(n=4, width=16)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine = _shard(model, "FULL_SHARD", {nn.Linear})
     calls: dict[str, list[int]] = {"all_gather": [], "reduce": []}
-    names = ("all_gather_single", "all_reduce", "reduce_scatter_single", "_coalescing_manager")
-    originals = {name: getattr(dist, name) for name in names}
-    coalescing: list[bool] = []  # non-empty inside a coalesced block: its calls are one collective
+    names = ("all_gather_flat", "all_gather_pieces", "reduce_scatter_sum", "reduce_scatter_exchange", "all_reduce_sum")
+    originals = {name: getattr(collectives, name) for name in names}
+
+    def nbytes(tensors: object) -> int:
+        return sum(t.numel() * t.element_size() for t in (tensors if isinstance(tensors, list) else [tensors]))
 
     def counting(name: str, kind: str):  # noqa: ANN202
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            size = (args[0].numel() * args[0].element_size() if kind == "reduce" else
-                    args[1].numel() * args[1].element_size() * world_size)
-            if coalescing and coalescing[-1]:
-                calls[kind][-1] += size
-            else:
-                calls[kind].append(size)
-                if coalescing:
-                    coalescing[-1] = True
+            calls[kind].append(args[3] if name == "reduce_scatter_exchange" else nbytes(args[0]))
             return originals[name](*args, **kwargs)
         return wrapper
 
-    @contextlib.contextmanager
-    def coalesced_block(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        coalescing.append(False)
-        try:
-            with originals["_coalescing_manager"](*args, **kwargs) as manager:
-                yield manager
-        finally:
-            coalescing.pop()
-
     x = torch.randn(2, 4)
     try:
-        dist.all_gather_single = counting("all_gather_single", "all_gather")
-        dist.all_reduce = counting("all_reduce", "reduce")
-        dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce")
-        dist._coalescing_manager = coalesced_block
+        collectives.all_gather_flat = counting("all_gather_flat", "all_gather")
+        collectives.all_gather_pieces = counting("all_gather_pieces", "all_gather")
+        collectives.reduce_scatter_sum = counting("reduce_scatter_sum", "reduce")
+        collectives.reduce_scatter_exchange = counting("reduce_scatter_exchange", "reduce")
+        collectives.all_reduce_sum = counting("all_reduce_sum", "reduce")
         out = model(x).sum()
         forward_gathers = len(calls["all_gather"])
         out.backward()
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            setattr(collectives, name, fn)
     return {
         "units": len(engine.units),
         "forward_gathers": forward_gathers,

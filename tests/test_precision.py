@@ -8,10 +8,9 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_shard import MixedPrecision, ShardPrecision, ShardStrategy
+from lightning_shard import MixedPrecision, ShardPrecision, ShardStrategy, collectives
 from lightning_shard.testing import run_on_ranks
 from tests.fits import fit_ddp, fit_shard, trainer_for
 from tests.models import GPTBlock, LitModel, loader
@@ -27,23 +26,24 @@ def test_bf16_mixed_matches_ddp_within_bf16_tolerance() -> None:
 
 
 def gathered_bytes(rank: int, world_size: int, precision: str) -> int:
-    """All-gather bytes of one training step, counted where they reach torch.distributed."""
+    """All-gather bytes of one training step, counted where the engine issues its collectives."""
     total = 0
-    original = dist.all_gather_single
+    original = collectives.all_gather_pieces
 
-    def counting(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def counting(outputs: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         nonlocal total
-        total += output.numel() * output.element_size()
-        return original(output, *args, **kwargs)
+        total += sum(o.numel() * o.element_size() for o in outputs)
+        return original(outputs, *args, **kwargs)
 
     L.seed_everything(0)
     module = LitModel("gpt")
     trainer = trainer_for(ShardStrategy(auto_wrap_policy={GPTBlock}), world_size, steps=1, precision=precision)
-    dist.all_gather_single = counting
+    collectives.all_gather_pieces = counting
     try:
         trainer.fit(module, train_dataloaders=loader("gpt"))
     finally:
-        dist.all_gather_single = original
+        collectives.all_gather_pieces = original
+    assert total > 0
     return total
 
 
