@@ -283,8 +283,11 @@ def _collect_parameters(root: nn.Module, unit_ids: set[int]) -> tuple[dict[int, 
     """
     uses: dict[int, _ParamUse] = {}
     params: dict[int, nn.Parameter] = {}
-
-    def visit(module: nn.Module, prefix: str, unit_id: int, path: tuple[int, ...]) -> None:
+    # An explicit stack, not a recursive closure: a closure that refers to itself is a reference cycle, which
+    # would keep ``params`` (every original full-size parameter) alive until Python's cycle collector runs.
+    stack: list[tuple[nn.Module, str, int, tuple[int, ...]]] = [(root, "", id(root), (id(root),))]
+    while stack:
+        module, prefix, unit_id, path = stack.pop()
         if id(module) in unit_ids:
             unit_id = id(module)
         for name, p in module._parameters.items():
@@ -297,11 +300,9 @@ def _collect_parameters(root: nn.Module, unit_ids: set[int]) -> tuple[dict[int, 
                 use.fqns.append(prefix + name)
             if not any(m is module and n == name for m, n in use.owners):
                 use.owners.append((module, name))
-        for child_name, child in module._modules.items():
-            if child is not None and id(child) not in path:
-                visit(child, f"{prefix}{child_name}.", unit_id, (*path, id(child)))
-
-    visit(root, "", id(root), (id(root),))
+        children = [(n, c) for n, c in module._modules.items() if c is not None and id(c) not in path]
+        for child_name, child in reversed(children):  # popped in registration order, as a recursive walk would
+            stack.append((child, f"{prefix}{child_name}.", unit_id, (*path, id(child))))
     return uses, params
 
 

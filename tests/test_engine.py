@@ -353,3 +353,23 @@ def test_every_rank_starts_from_rank_0s_weights(strategy: str, meta: bool) -> No
         torch.testing.assert_close(results[1]["full"][name], t, msg=name)  # replicas agree, shards fit together
         if not meta:
             torch.testing.assert_close(t, results[0]["original"][name], msg=name)  # rank 0's, as DDP does
+
+
+def originals_freed_without_cycle_collection(rank: int, world_size: int) -> list[bool]:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = Chain(n=4, width=16)
+    originals = [weakref.ref(p) for p in model.parameters()]
+    gc.disable()  # only reference counting: nothing in sharding may keep the full parameters in a cycle
+    try:
+        _shard(model, "FULL_SHARD", {nn.Linear})
+        return [ref() is None for ref in originals]
+    finally:
+        gc.enable()
+
+
+def test_sharding_frees_the_original_full_parameters_at_once() -> None:
+    for freed in run_on_ranks(originals_freed_without_cycle_collection, 2):
+        assert freed and all(freed)
