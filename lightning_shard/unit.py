@@ -37,6 +37,7 @@ them in one collective (in the reduce dtype) and adds this rank's rows to the sh
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -275,6 +276,8 @@ class ShardUnit:
         grads = [p.unsharded.grad for p in self.trainable]
         for p in self.trainable:
             p.unsharded.grad = None
+        if mesh.world_size == 1:  # nothing to average: the gradients become the shards' gradients as they are
+            return collectives.Pending(None, functools.partial(self._keep_local_grads, grads))
         if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_group):
             return self._start_exchange_reduce(grads)
         device = self.device
@@ -355,6 +358,18 @@ class ShardUnit:
                 return out.div_(mesh.world_size) if power_of_two else out
 
         return collectives.Pending(None, lambda: self._finish_reduce(summed()))
+
+    def _keep_local_grads(self, grads: list[Tensor | None]) -> None:
+        """One rank: each gradient becomes its shard's gradient (no copy unless the dtype or device differs);
+        parameters without a gradient keep ``None``."""
+        for p, g in zip(self.trainable, grads):
+            if g is None:
+                continue
+            grad = g.to(device=self.shard_device, dtype=self.dtype).view(p.sharded.shape)
+            if p.sharded.grad is None:
+                p.sharded.grad = grad
+            else:
+                p.sharded.grad.add_(grad)
 
     def _finish_reduce(self, reduced: Tensor) -> None:
         if self.mesh.replicate_group is not None:

@@ -98,7 +98,7 @@ def odd_shapes_roundtrip(rank: int, world_size: int, strategy: str) -> None:
     assert all(u.state is UnitState.SHARDED for u in engine.units)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_odd_shapes_shard_gather_and_reduce(world_size: int, strategy: str) -> None:
     run_on_ranks(odd_shapes_roundtrip, world_size, strategy)
