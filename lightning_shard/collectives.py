@@ -49,7 +49,8 @@ class Pending:
     later calls return the same)."""
 
     def __init__(self, work: Any, finish: Callable[[], Tensor | None]) -> None:
-        self._work, self._finish = work, finish
+        self._work: Any = work
+        self._finish: Callable[[], Tensor | None] | None = finish
         self._done = False
         self._result: Tensor | None = None
 
@@ -62,7 +63,9 @@ class Pending:
                 self._work.wait()
             STATS.seconds += time.perf_counter() - start
             self._work = None
+        assert self._finish is not None
         self._done, self._result = True, self._finish()
+        self._finish = None  # drop what the result was computed from (buffers held by the closure)
         return self._result
 
 
@@ -76,10 +79,10 @@ def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, a
     return Pending(work, lambda: output)
 
 
-def exchanges_point_to_point(group: ProcessGroup | None) -> bool:
-    """Whether this backend's fast path is the point-to-point ``exchange`` (gloo: yes; NCCL: no, it uses
-    ``all_gather_flat`` with one copy kernel and ``reduce_scatter_sum``)."""
-    return dist.get_backend(group) == "gloo"
+def exchanges_point_to_point(group: ProcessGroup | None, device: torch.device) -> bool:
+    """Whether the fast path for tensors on ``device`` is the point-to-point ``exchange``: gloo with CPU tensors.
+    Otherwise (NCCL, or gloo with CUDA tensors) it is ``all_gather_flat`` with one copy and ``reduce_scatter_sum``."""
+    return device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
 def exchange(outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup | None) -> Pending:
@@ -92,10 +95,11 @@ def exchange(outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     works: list[Any] = []
     for peer in [(rank + i) % size for i in range(1, size)]:  # no rank is everybody's first peer
+        global_peer = dist.get_global_rank(group, peer) if group is not None else peer
         for tensor in incoming[peer]:
-            works.append(dist.irecv(tensor, group=group, group_src=peer, tag=_EXCHANGE_TAG))
+            works.append(dist.irecv(tensor, src=global_peer, group=group, tag=_EXCHANGE_TAG))
         for tensor in outgoing[peer]:
-            works.append(dist.isend(tensor, group=group, group_dst=peer, tag=_EXCHANGE_TAG))
+            works.append(dist.isend(tensor, dst=global_peer, group=group, tag=_EXCHANGE_TAG))
     STATS.seconds += time.perf_counter() - start
     return Pending(_AllWorks(works), lambda: None)
 

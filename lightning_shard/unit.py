@@ -197,7 +197,7 @@ class ShardUnit:
             group = self.mesh.shard_group
             if not self.gathers:
                 self._pending_gather = collectives.Pending(None, lambda: send)
-            elif collectives.exchanges_point_to_point(group):
+            elif collectives.exchanges_point_to_point(group, self.device):
                 pieces = [p for p in self.params if p.padded_gather_bytes > 0]
                 with torch.no_grad():
                     self._pending_gather = collectives.all_gather_pieces(
@@ -278,7 +278,7 @@ class ShardUnit:
             p.unsharded.grad = None
         if mesh.world_size == 1:  # nothing to average: the gradients become the shards' gradients as they are
             return collectives.Pending(None, functools.partial(self._keep_local_grads, grads))
-        if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_group):
+        if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_group, self.device):
             return self._start_exchange_reduce(grads)
         device = self.device
         present = {g.dtype for g in grads if g is not None}
@@ -319,6 +319,9 @@ class ShardUnit:
             # What each peer sends for this rank's rows, one row per peer in the reduction's layout; with more
             # than two ranks a row for this rank's own part too, so that the rows are summed in rank order.
             received = torch.empty(n if n > 2 else 1, total + k, dtype=self.reduce_dtype, device=self.device)
+            for p in self.trainable:  # zero the padding, which nobody sends, so that only numbers are summed
+                if p.local_rows < p.rows_per_rank:
+                    received[:, p.grad_offset + p.local_rows * p.row_numel : p.grad_offset + p.padded_shard_numel] = 0
 
             def row_of(rank: int) -> Tensor:
                 return received[rank if n > 2 else 0]

@@ -1,4 +1,5 @@
-"""On a CUDA device: NCCL at world size 1 against plain single-device training (skipped without CUDA)."""
+"""On a CUDA device: NCCL at world size 1 against plain single-device training, and CPU offload (skipped without
+CUDA)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _fit(strategy: object, precision: str) -> list[float]:
     trainer.fit(module, train_dataloaders=loader("gpt"))
     if isinstance(strategy, ShardStrategy):
         assert strategy.process_group_backend == "nccl"
-        assert all(u.flat_sharded.is_cuda for u in strategy.engine.units)
+        assert all(u.flat_sharded.is_cuda != strategy.offloads for u in strategy.engine.units)
     return module.losses
 
 
@@ -36,3 +37,19 @@ def test_nccl_world_size_one_bf16_mixed_within_bf16_tolerance() -> None:
     ours = _fit(ShardStrategy(auto_wrap_policy={GPTBlock}), "bf16-mixed")
     reference = _fit("auto", "bf16-mixed")
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(reference), rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_cpu_offload_keeps_model_state_in_cpu_memory_and_trains_as_without() -> None:
+    strategy = ShardStrategy(auto_wrap_policy={GPTBlock}, cpu_offload=True)
+    offloaded = _fit(strategy, "32-true")
+    assert strategy.offloads
+    for unit in strategy.engine.units:
+        assert unit.flat_sharded.device.type == "cpu" and unit.flat_sharded.is_pinned()
+        assert unit.flat_unsharded.is_cuda
+    optimizer = strategy.optimizers[0]
+    for p in strategy.lightning_module.parameters():
+        assert p.device.type == "cpu"
+        assert all(t.device.type == "cpu" for t in optimizer.state[p].values() if isinstance(t, torch.Tensor))
+    resident = _fit(ShardStrategy(auto_wrap_policy={GPTBlock}), "32-true")
+    torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(resident))

@@ -2,8 +2,9 @@
 
 The offload data path (shards in CPU memory, uploads before each gather, gradients downloaded after each
 reduction, collectives and full-tensor gathers on the compute device) is exercised here with the compute
-device ``cpu:0``, a device distinct from the shards' ``cpu`` as far as the engine can tell: every copy the
-GPU path makes is made, between two CPU buffers. Training must match resident shards exactly.
+device ``cpu:0``, which the engine treats as distinct from the shards' ``cpu``: every staging copy the GPU
+path makes is made, between two CPU buffers, and training must match resident shards exactly. Where tensors
+end up cannot be told apart on CPU (both are ``cpu``); tests/test_cuda.py checks that on a GPU.
 """
 
 from __future__ import annotations
@@ -75,8 +76,6 @@ def train_engine(rank: int, world_size: int, sharding: str, offload: bool, preci
         logits = model(idx)
         loss = F.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
         loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        assert grads and all(g.device == torch.device("cpu") for g in grads)
         norms.append(clip_grad_norm_(model.parameters(), engine.mesh, compute, max_norm=0.5).item())
         optimizer.step()
         optimizer.zero_grad()
