@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--sharding-strategy", default="FULL_SHARD")
     e.add_argument("--precision", default="32-true")
     e.add_argument("--optimizer", default="adamw")
+    e.add_argument("--cpu-offload", action="store_true", help="model state in CPU memory (cpu_offload=True)")
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return _estimate(args)
@@ -61,7 +62,7 @@ def _estimate(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         model = factory()
     print(estimate_memory(model, args.world_size, args.sharding_strategy, args.precision, args.optimizer,
-                          auto_wrap_policy=args.wrap))
+                          auto_wrap_policy=args.wrap, cpu_offload=args.cpu_offload))
     return 0
 
 

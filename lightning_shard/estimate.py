@@ -36,6 +36,7 @@ class MemoryEstimate:
     optimizer_state: int
     gathered_peak: int  # full weights of the two largest units in flight plus one all-gather buffer
     largest_unit: str
+    cpu_offload: bool = False  # model state in CPU memory; only the gathered units on the device
 
     @property
     def model_state(self) -> int:
@@ -45,12 +46,23 @@ class MemoryEstimate:
     def total(self) -> int:
         return self.model_state + self.gathered_peak
 
+    @property
+    def device_total(self) -> int:
+        """Bytes on the training device: everything, or with ``cpu_offload`` only the gathered units."""
+        return self.gathered_peak if self.cpu_offload else self.total
+
+    @property
+    def host_total(self) -> int:
+        """Bytes in CPU memory because of offloading (``cpu_offload``): the model state."""
+        return self.model_state if self.cpu_offload else 0
+
     def __str__(self) -> str:
         mib = 2**20
+        where = f"; in CPU memory {self.host_total / mib:.1f} MiB, on the device" if self.cpu_offload else ""
         return (
             f"per rank: parameters {self.parameters / mib:.1f} MiB, gradients {self.gradients / mib:.1f} MiB,"
             f" optimizer {self.optimizer_state / mib:.1f} MiB, gathered units (peak) {self.gathered_peak / mib:.1f}"
-            f" MiB [largest unit: {self.largest_unit or '<root>'}]; total {self.total / mib:.1f} MiB"
+            f" MiB [largest unit: {self.largest_unit or '<root>'}]{where}; total {self.device_total / mib:.1f} MiB"
             f" (activations not included)"
         )
 
@@ -63,8 +75,10 @@ def estimate_memory(
     optimizer: str = "adamw",
     auto_wrap_policy: WrapPolicySpec = None,
     device_mesh: tuple[int, int] | None = None,
+    cpu_offload: bool = False,
 ) -> MemoryEstimate:
-    """Per-rank bytes of parameter shards, gradient shards, optimizer state and gathered units for ``model``."""
+    """Per-rank bytes of parameter shards, gradient shards, optimizer state and gathered units for ``model``; with
+    ``cpu_offload`` the model state is counted as CPU memory and only the gathered units as device memory."""
     strategy = ShardingStrategy.parse(sharding_strategy)
     if optimizer not in _STATE_TENSORS:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Valid values are: {', '.join(_STATE_TENSORS)}.")
@@ -94,5 +108,5 @@ def estimate_memory(
     unit_sizes.sort(reverse=True)
     largest = unit_sizes[0] if unit_sizes else (0, "")
     second = unit_sizes[1][0] if len(unit_sizes) > 1 else 0
-    gathered = 0 if shard_size == 1 and not mixed else 2 * largest[0] + second
-    return MemoryEstimate(params, grads, state, gathered, largest[1])
+    gathered = 0 if shard_size == 1 and not mixed and not cpu_offload else 2 * largest[0] + second
+    return MemoryEstimate(params, grads, state, gathered, largest[1], cpu_offload)

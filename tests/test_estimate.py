@@ -54,3 +54,20 @@ def test_estimate_cli() -> None:
                            "--world-size", "4", "--wrap", "GPTBlock"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "per rank: parameters" in done.stdout and "largest unit: blocks." in done.stdout
+
+
+def test_estimate_with_cpu_offload_counts_model_state_as_cpu_memory() -> None:
+    with torch.device("meta"):
+        model = TinyGPT(d=64, depth=4)
+    resident = estimate_memory(model, 4, auto_wrap_policy={GPTBlock})
+    offloaded = estimate_memory(model, 4, auto_wrap_policy={GPTBlock}, cpu_offload=True)
+    assert offloaded.model_state == resident.model_state
+    assert offloaded.host_total == resident.model_state and resident.host_total == 0
+    assert offloaded.device_total == resident.gathered_peak and resident.device_total == resident.total
+    # On one rank nothing is gathered, but an offloaded unit is still uploaded to the device to compute.
+    assert estimate_memory(model, 1, "NO_SHARD", auto_wrap_policy={GPTBlock}).gathered_peak == 0
+    assert estimate_memory(model, 1, "NO_SHARD", auto_wrap_policy={GPTBlock}, cpu_offload=True).gathered_peak > 0
+    done = subprocess.run([sys.executable, "-m", "lightning_shard.cli", "estimate", "tests.models:TinyGPT",
+                           "--world-size", "4", "--wrap", "GPTBlock", "--cpu-offload"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "in CPU memory" in done.stdout
