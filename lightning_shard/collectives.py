@@ -4,12 +4,13 @@ Each function takes the group to run on and calls ``torch.distributed`` through 
 attribute, so a test can wrap either layer to count calls and bytes. The backend decides how a
 collective is done (see [Note: the fast path per backend] in docs/design.md):
 
-- On gloo (CPU), a unit's all-gather and its gradient reduce-scatter are point-to-point exchanges:
-  every rank sends each peer what that peer needs and receives straight into place. The gathered
-  pieces land in the param-major buffer with no copy out of a receive buffer, and the reduction
-  moves half the bytes of the all-reduce that gloo's own slow ``reduce_scatter`` would lose to.
-- On NCCL, ``all_gather_single`` into one rank-major buffer (copied into the param-major one by a
-  single kernel) and ``reduce_scatter_single``, asynchronous on the process group's stream.
+- On gloo with CPU tensors, a unit's all-gather and its gradient reduce-scatter are point-to-point
+  exchanges: every rank sends each peer what that peer needs and receives straight into place. The
+  gathered pieces land in the param-major buffer with no copy out of a receive buffer, and the
+  reduction moves half the bytes of an all-reduce (gloo's own ``reduce_scatter`` is slower still).
+- On NCCL (and gloo with CUDA tensors), ``all_gather_single`` into one rank-major buffer (copied
+  into the param-major one by a single kernel) and ``reduce_scatter_single``, asynchronous on the
+  process group's stream.
 """
 
 from __future__ import annotations
