@@ -252,6 +252,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
+    parser.add_argument("--cpu-offload", action="store_true", help="shards and optimizer state in CPU memory (GPU)")
     parser.add_argument("--sample-chars", type=int, default=200)
     return parser.parse_args()
 
@@ -279,6 +280,7 @@ def main() -> None:
             auto_wrap_policy={Block},
             sharding_strategy=args.sharding_strategy,
             activation_checkpointing_policy={Block} if args.activation_checkpointing else None,
+            cpu_offload=args.cpu_offload,
         ),
         max_steps=args.max_steps,
         precision=args.precision,

@@ -1,7 +1,10 @@
 """The collectives the engine uses, as plain functions with no hook logic.
 
-Each function takes the group to run on and calls ``torch.distributed`` through the module
-attribute, so a test can wrap either layer to count calls and bytes. The backend decides how a
+Each function takes the group to run on; the engine calls them through this module's attributes, so
+a test can wrap them to count calls and bytes. The point-to-point exchange talks to the process
+group object itself (its ranks, ``send`` and ``recv``), not to the registry of groups: a model can
+still run forward after the ``Trainer`` has torn its process group down (sampling after ``fit``),
+as with the collectives, which are also issued on the group object. The backend decides how a
 collective is done (see [Note: the fast path per backend] in docs/design.md):
 
 - On gloo with CPU tensors, a unit's all-gather and its gradient reduce-scatter are point-to-point
@@ -80,27 +83,27 @@ def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, a
     return Pending(work, lambda: output)
 
 
-def exchanges_point_to_point(group: ProcessGroup | None, device: torch.device) -> bool:
-    """Whether the fast path for tensors on ``device`` is the point-to-point ``exchange``: gloo with CPU tensors.
-    Otherwise (NCCL, or gloo with CUDA tensors) it is ``all_gather_flat`` with one copy and ``reduce_scatter_sum``."""
-    return device.type == "cpu" and dist.get_backend(group) == "gloo"
+def exchanges_point_to_point(backend: str | None, device: torch.device) -> bool:
+    """Whether the fast path for tensors on ``device`` over a group of ``backend`` is the point-to-point ``exchange``:
+    gloo with CPU tensors. Otherwise (NCCL, or gloo with CUDA tensors) it is ``all_gather_flat`` with one copy and
+    ``reduce_scatter_sum``."""
+    return device.type == "cpu" and backend is not None and "gloo" in backend
 
 
-def exchange(outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup | None) -> Pending:
+def exchange(outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup) -> Pending:
     """Send ``outgoing[q]`` to group rank ``q`` and receive ``incoming[q]`` from it, tensor by tensor, for every
     other rank ``q`` (this rank's own entries are ignored). Asynchronous; ``wait()`` returns ``None``.
 
     Both sides must list matching tensor sizes in the same order (see ``_EXCHANGE_TAG``).
     """
     start = time.perf_counter()
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    rank, size = group.rank(), group.size()
     works: list[Any] = []
     for peer in [(rank + i) % size for i in range(1, size)]:  # no rank is everybody's first peer
-        global_peer = dist.get_global_rank(group, peer) if group is not None else peer
         for tensor in incoming[peer]:
-            works.append(dist.irecv(tensor, src=global_peer, group=group, tag=_EXCHANGE_TAG))
+            works.append(group.recv([tensor], peer, _EXCHANGE_TAG))
         for tensor in outgoing[peer]:
-            works.append(dist.isend(tensor, dst=global_peer, group=group, tag=_EXCHANGE_TAG))
+            works.append(group.send([tensor], peer, _EXCHANGE_TAG))
     STATS.seconds += time.perf_counter() - start
     return Pending(_AllWorks(works), lambda: None)
 
@@ -121,12 +124,12 @@ class _AllWorks:
 
 
 def all_gather_pieces(
-    outputs: list[Tensor], inputs: list[Tensor], group: ProcessGroup | None, async_op: bool = False
+    outputs: list[Tensor], inputs: list[Tensor], group: ProcessGroup, async_op: bool = False
 ) -> Pending:
     """For every pair, fill ``outputs[i]`` (1D, ``group size * inputs[i].numel()``) with every rank's ``inputs[i]``,
     rank-major: this rank's piece is copied into place and every other rank's piece is received straight into
     place. ``wait()`` returns ``None``: the results are in ``outputs``."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    rank, size = group.rank(), group.size()
     slots = [output.view(size, -1) for output in outputs]
     with record_function("lightning_shard::all_gather"):
         pending = exchange([inputs] * size, [[slot[q] for slot in slots] for q in range(size)], group)
@@ -139,7 +142,7 @@ def all_gather_pieces(
 
 
 def reduce_scatter_exchange(
-    outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup | None, nbytes: int
+    outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup, nbytes: int
 ) -> Pending:
     """The point-to-point part of a reduce-scatter (``exchange``); the caller sums what arrives. ``nbytes``: the
     size of the equivalent reduce-scatter's input, for ``STATS``."""
@@ -153,7 +156,7 @@ def reduce_scatter_sum(
 ) -> Pending:
     """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (new tensor)
     divided by ``divide_by``."""
-    group_size = dist.get_world_size(group)
+    group_size = group.size()
     start = time.perf_counter()
     STATS.reduce_bytes += full.numel() * full.element_size()
     with record_function("lightning_shard::reduce_scatter"):

@@ -161,6 +161,7 @@ class ShardedModule:
                 f" {mesh.rank}. Save a checkpoint and load it into a fresh model instead."
             )
         self.mesh.shard_group, self.mesh.replicate_group = mesh.shard_group, mesh.replicate_group
+        self.mesh.shard_backend = mesh.shard_backend
         self.mesh.owned_groups = mesh.owned_groups
 
     def hold_gradients(self, hold: bool) -> None:

@@ -31,6 +31,7 @@ class ShardMesh:
     shard_group: ProcessGroup | None
     replicate_group: ProcessGroup | None
     owned_groups: list[ProcessGroup] = field(default_factory=list)  # created here, destroyed by ``destroy()``
+    shard_backend: str | None = None  # the shard group's backend, recorded while the group is registered
 
     @property
     def shard_rank(self) -> int:
@@ -109,4 +110,5 @@ def build_shard_mesh(
                 mesh.owned_groups.append(group)
                 if col == mesh.shard_rank:
                     mesh.replicate_group = group
+    mesh.shard_backend = dist.get_backend(mesh.shard_group) if mesh.shard_group is not None else None
     return mesh

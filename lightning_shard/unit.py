@@ -197,7 +197,7 @@ class ShardUnit:
             group = self.mesh.shard_group
             if not self.gathers:
                 self._pending_gather = collectives.Pending(None, lambda: send)
-            elif collectives.exchanges_point_to_point(group, self.device):
+            elif group is not None and collectives.exchanges_point_to_point(self.mesh.shard_backend, self.device):
                 pieces = [p for p in self.params if p.padded_gather_bytes > 0]
                 with torch.no_grad():
                     self._pending_gather = collectives.all_gather_pieces(
@@ -278,7 +278,7 @@ class ShardUnit:
             p.unsharded.grad = None
         if mesh.world_size == 1:  # nothing to average: the gradients become the shards' gradients as they are
             return collectives.Pending(None, functools.partial(self._keep_local_grads, grads))
-        if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_group, self.device):
+        if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_backend, self.device):
             return self._start_exchange_reduce(grads)
         device = self.device
         present = {g.dtype for g in grads if g is not None}
@@ -308,6 +308,7 @@ class ShardUnit:
         sends each peer that peer's rows of every gradient, straight from the gradients (no rank-major copy),
         and sums what it receives for its own rows. The result has the layout ``_start_reduce`` gives."""
         mesh = self.mesh
+        assert mesh.shard_group is not None
         n, me, k, total = mesh.shard_size, mesh.shard_rank, len(self.trainable), self.grad_sharded_numel
         with torch.no_grad():
             used = torch.tensor([g is not None for g in grads], dtype=self.reduce_dtype, device=self.device)

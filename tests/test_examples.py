@@ -21,6 +21,15 @@ def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return done
 
 
+def test_demo_trains_then_samples_after_fit() -> None:
+    """The demo (``make demo``) with fewer steps: both ranks train, then sample together after the Trainer has torn
+    its process group down, so the forward still reaches the group's own send/recv and collectives."""
+    done = _run("examples/train_gpt.py", "--max-steps", "3", "--sample-chars", "20")
+    assert "rank 0: final loss" in done.stdout and "rank 1: final loss" in done.stdout
+    sample = done.stdout.split("-" * 60)[1]
+    assert sample.strip().startswith("TOBIAS:") and len(sample.strip()) > len("TOBIAS:")
+
+
 def test_lightning_cli_example() -> None:
     _run("main.py", "fit", "--config", "config.yaml", "--trainer.max_steps", "4", cwd=ROOT / "examples" / "cli")
 

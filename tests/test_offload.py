@@ -10,6 +10,7 @@ end up cannot be told apart on CPU (both are ``cpu``); tests/test_cuda.py checks
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,28 @@ def test_offloaded_shards_train_exactly_as_resident_ones(sharding: str, world_si
         for key in ("params", "state"):
             for name in b[key]:
                 torch.testing.assert_close(a[key][name], b[key][name], rtol=0, atol=0, msg=name)
+
+
+def test_cpu_offload_from_lightning_cli_yaml(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from tests.models import LitModel
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        """
+trainer:
+  accelerator: cpu
+  devices: 2
+  logger: false
+  strategy:
+    class_path: lightning_shard.ShardStrategy
+    init_args:
+      auto_wrap_policy: [GPTBlock]
+      cpu_offload: true
+model:
+  kind: gpt
+"""
+    )
+    cli = LightningCLI(LitModel, run=False, args=["--config", str(config)], save_config_callback=None)
+    assert isinstance(cli.trainer.strategy, ShardStrategy) and cli.trainer.strategy.cpu_offload
