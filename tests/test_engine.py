@@ -373,3 +373,35 @@ def originals_freed_without_cycle_collection(rank: int, world_size: int) -> list
 def test_sharding_frees_the_original_full_parameters_at_once() -> None:
     for freed in run_on_ranks(originals_freed_without_cycle_collection, 2):
         assert freed and all(freed)
+
+
+class UsedOnRankZeroOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.always = nn.Linear(4, 4)
+        self.sometimes = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: Tensor, use_sometimes: bool) -> Tensor:
+        out = self.always(x)
+        return out + (x @ self.sometimes.t()).sum() if use_sometimes else out
+
+
+def partly_unused(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    reference, model = UsedOnRankZeroOnly(), UsedOnRankZeroOnly()
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    local = torch.autograd.grad(reference(x, rank == 0).square().mean(), list(reference.parameters()),
+                                allow_unused=True)
+    local = [g if g is not None else torch.zeros_like(p) for g, p in zip(local, reference.parameters())]
+    expected = dict(zip([n for n, _ in reference.named_parameters()], _ddp_average(local, world_size)))
+    engine = _shard(model, "FULL_SHARD", None)
+    model(x, rank == 0).square().mean().backward()
+    for p in engine.sharded_params():
+        assert p.sharded.grad is not None, f"{p.fqn} was used on rank 0, so every rank gets its gradient"
+        torch.testing.assert_close(engine.gather_full(p, p.sharded.grad), expected[p.fqn], msg=p.fqn)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_parameter_used_on_one_rank_only_gets_the_averaged_gradient_everywhere(world_size: int) -> None:
+    run_on_ranks(partly_unused, world_size)
