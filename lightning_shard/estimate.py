@@ -58,11 +58,11 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         mib = 2**20
-        where = f"; in CPU memory {self.host_total / mib:.1f} MiB, on the device" if self.cpu_offload else ""
+        where = f"; in CPU memory {self.host_total / mib:.1f} MiB; on the device" if self.cpu_offload else ";"
         return (
             f"per rank: parameters {self.parameters / mib:.1f} MiB, gradients {self.gradients / mib:.1f} MiB,"
             f" optimizer {self.optimizer_state / mib:.1f} MiB, gathered units (peak) {self.gathered_peak / mib:.1f}"
-            f" MiB [largest unit: {self.largest_unit or '<root>'}]{where}; total {self.device_total / mib:.1f} MiB"
+            f" MiB [largest unit: {self.largest_unit or '<root>'}]{where} total {self.device_total / mib:.1f} MiB"
             f" (activations not included)"
         )
 

@@ -4,6 +4,7 @@ several forwards before one backward, no_grad forwards, meta-device init, collec
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -405,3 +406,33 @@ def partly_unused(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_parameter_used_on_one_rank_only_gets_the_averaged_gradient_everywhere(world_size: int) -> None:
     run_on_ranks(partly_unused, world_size)
+
+
+def on_collective_path(rank: int, world_size: int, check: str, *args: object) -> int:
+    """Run ``check`` with the path NCCL takes (flat all-gather + copy, rank-major reduce-scatter) instead of gloo's
+    point-to-point exchanges; gloo runs those collectives on CPU too. Returns how many flat all-gathers ran."""
+    patched = {"exchanges_point_to_point": lambda backend, device: False}
+    calls = 0
+    original_gather = collectives.all_gather_flat
+
+    def counting_gather(*a: Any, **k: Any) -> collectives.Pending:
+        nonlocal calls
+        calls += 1
+        return original_gather(*a, **k)
+
+    patched["all_gather_flat"] = counting_gather
+    originals = {name: getattr(collectives, name) for name in patched}
+    try:
+        for name, fn in patched.items():
+            setattr(collectives, name, fn)
+        globals()[check](rank, world_size, *args)
+    finally:
+        for name, fn in originals.items():
+            setattr(collectives, name, fn)
+    return calls
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_collective_path_nccl_takes_gives_the_same_gradients(world_size: int) -> None:
+    assert all(n > 0 for n in run_on_ranks(on_collective_path, world_size, "odd_shapes_roundtrip", "FULL_SHARD"))
+    assert all(n > 0 for n in run_on_ranks(on_collective_path, world_size, "partly_unused"))
