@@ -3,6 +3,7 @@ engine, and routes Lightning's hooks to it; the sharding itself lives in ``engin
 
 from __future__ import annotations
 
+import atexit
 import logging
 import shutil
 from collections.abc import Generator, Iterable, Mapping
@@ -229,6 +230,9 @@ class ShardStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if self._owns_process_group:  # kept for calls after fit (sampling); destroyed when the program ends
+            atexit.unregister(_destroy_process_group_at_exit)
+            atexit.register(_destroy_process_group_at_exit)
         self._mesh = build_shard_mesh(self.sharding_strategy, self._device_mesh, self._process_group_backend)
 
     def _get_process_group_backend(self) -> str:
@@ -490,9 +494,6 @@ class ShardStrategy(ParallelStrategy):
             self._engine.reshard_all()
         if self._mesh is not None:
             self._mesh.destroy()
-        if self._owns_process_group and _distributed_is_initialized():
-            dist.destroy_process_group()
-            self._owns_process_group = False
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -520,6 +521,13 @@ class ShardStrategy(ParallelStrategy):
             extra = {"cpu_offload": True} if name == "shard_offload" else {}
             strategy_registry.register(name, cls, description=description, sharding_strategy=sharding, **extra)
             cls._registered_strategies.append(name)
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the default process group a ``ShardStrategy`` created, when the program ends. It outlives the
+    ``Trainer`` (as with Lightning's own strategies) so that the model can still run forward after ``fit``."""
+    if _distributed_is_initialized():
+        dist.destroy_process_group()
 
 
 def _move_param_free_modules(model: nn.Module, device: torch.device) -> None:

@@ -46,4 +46,8 @@ if __name__ == "__main__":
     )
     trainer.fit(RaisingModel(args.raise_on_rank), train_dataloaders=loader("mlp"))
     initialized = dist.is_initialized()
-    print(f"rank {trainer.global_rank} finished; process group initialized after fit: {initialized}", flush=True)
+    total = torch.ones(1)
+    if initialized:  # still usable after fit, as for sampling with the trained model
+        dist.all_reduce(total)
+    print(f"rank {trainer.global_rank} finished; process group initialized after fit: {initialized}; all_reduce"
+          f" after fit: {total.item():.0f}", flush=True)
