@@ -26,6 +26,24 @@ def trainer_for(strategy: Any, world_size: int, steps: int, **kwargs: Any) -> L.
     )
 
 
+def cli_with_strategy_args(tmp_path: Any, init_args: dict[str, Any]) -> Any:
+    """A LightningCLI (not run) for the GPT test model on 2 CPU processes, configured from a YAML file whose
+    ``ShardStrategy`` takes ``init_args``."""
+    import yaml
+    from lightning.pytorch.cli import LightningCLI
+
+    config = {
+        "trainer": {
+            "accelerator": "cpu", "devices": 2, "logger": False,
+            "strategy": {"class_path": "lightning_shard.ShardStrategy", "init_args": init_args},
+        },
+        "model": {"kind": "gpt"},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return LightningCLI(LitModel, run=False, args=["--config", str(path)], save_config_callback=None)
+
+
 def full_params_shard(module: LitModel, strategy: ShardStrategy) -> dict[str, torch.Tensor]:
     engine = strategy.engine
     return {fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params() for fqn in p.fqns}

@@ -23,7 +23,7 @@ from lightning_shard.engine import shard_module
 from lightning_shard.mesh import build_shard_mesh
 from lightning_shard.policies import resolve_wrap_policy
 from lightning_shard.testing import run_on_ranks
-from tests.fits import fit_shard
+from tests.fits import cli_with_strategy_args, fit_shard
 from tests.models import GPTBlock, TinyGPT
 
 
@@ -105,25 +105,5 @@ def test_offloaded_shards_train_exactly_as_resident_ones(sharding: str, world_si
 
 
 def test_cpu_offload_from_lightning_cli_yaml(tmp_path: Path) -> None:
-    from lightning.pytorch.cli import LightningCLI
-
-    from tests.models import LitModel
-
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        """
-trainer:
-  accelerator: cpu
-  devices: 2
-  logger: false
-  strategy:
-    class_path: lightning_shard.ShardStrategy
-    init_args:
-      auto_wrap_policy: [GPTBlock]
-      cpu_offload: true
-model:
-  kind: gpt
-"""
-    )
-    cli = LightningCLI(LitModel, run=False, args=["--config", str(config)], save_config_callback=None)
+    cli = cli_with_strategy_args(tmp_path, {"auto_wrap_policy": ["GPTBlock"], "cpu_offload": True})
     assert isinstance(cli.trainer.strategy, ShardStrategy) and cli.trainer.strategy.cpu_offload

@@ -8,11 +8,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.cli import LightningCLI
 
 from lightning_shard import MixedPrecision, ShardPrecision, ShardStrategy, collectives
 from lightning_shard.testing import run_on_ranks
-from tests.fits import fit_ddp, fit_shard, trainer_for
+from tests.fits import cli_with_strategy_args, fit_ddp, fit_shard, trainer_for
 from tests.models import GPTBlock, LitModel, loader
 
 
@@ -134,26 +133,8 @@ def test_bf16_true_matches_ddp_within_bf16_tolerance() -> None:
 
 
 def test_mixed_precision_from_yaml_with_dtype_names(tmp_path: Path) -> None:
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        """
-trainer:
-  accelerator: cpu
-  devices: 2
-  logger: false
-  strategy:
-    class_path: lightning_shard.ShardStrategy
-    init_args:
-      auto_wrap_policy: [GPTBlock]
-      mixed_precision:
-        param_dtype: bfloat16
-        reduce_dtype: float32
-        keep_fp32: [LayerNorm]
-model:
-  kind: gpt
-"""
-    )
-    cli = LightningCLI(LitModel, run=False, args=["--config", str(config)], save_config_callback=None)
+    by_name = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "keep_fp32": ["LayerNorm"]}
+    cli = cli_with_strategy_args(tmp_path, {"auto_wrap_policy": ["GPTBlock"], "mixed_precision": by_name})
     mixed = cli.trainer.strategy.mixed_precision
     assert mixed == MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_fp32=("LayerNorm",))
 
