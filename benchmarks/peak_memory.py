@@ -8,7 +8,7 @@ build a 25M-parameter GPT (d=512, 8 blocks, ctx 64) on the meta device, shard an
 then train 3 AdamW steps on batch 8 (the grad_sync variants: 4 micro-batches of 8 per step). The
 peak is the process's maximum RSS minus its RSS after imports; MALLOC_MMAP_THRESHOLD_ makes freed
 tensors go back to the OS so RSS follows live memory. Gradient-reduction bytes per optimizer step
-are counted where they reach torch.distributed.
+are the engine's reduce-scatter input bytes, counted at lightning_shard.collectives.
 """
 
 from __future__ import annotations

@@ -181,7 +181,8 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 def _table(runs: dict[str, list[dict[str, float]]]) -> str:
     ddp, fsdp = _median(runs["ddp"], "step_time"), _median(runs["fully_shard"], "step_time")
     lines = [
-        "| engine | median step (s) | vs DDP | vs fully_shard | peak RSS above baseline (MiB) | MiB moved per step |",
+        "| engine | median step (s) | vs DDP | vs fully_shard | peak RSS above baseline (MiB)"
+        " | collective MiB per step |",
         "|---|---|---|---|---|---|",
     ]
     names = {"shard": "ShardStrategy", "ddp": "DDPStrategy", "fully_shard": "ModelParallelStrategy + fully_shard",
@@ -218,7 +219,7 @@ def _write(table: str, runs: dict[str, list[dict[str, float]]]) -> None:
     labels = list(runs)
     for ax, (key, title, scale) in zip(axes, [("step_time", "median step (s)", 1), ("peak_rss_mb",
                                               "peak RSS above baseline (MiB)", 1),
-                                             ("bytes_per_step", "MiB moved per step", 2**20)]):
+                                             ("bytes_per_step", "collective MiB per step", 2**20)]):
         ax.bar(labels, [_median(runs[e], key) / scale for e in labels], color=["#3b7dd8", "#999", "#d8893b", "#5a5"])
         ax.set_title(title)
     fig.suptitle("25M-parameter GPT, 2 gloo ranks, batch 8 per rank, AdamW, fp32")

@@ -49,7 +49,7 @@ def main() -> None:
         devices=args.devices,
         strategy=ShardStrategy(auto_wrap_policy={Block}),  # state_dict_type="sharded" (the default)
         max_steps=args.max_steps,
-        callbacks=[ModelCheckpoint(dirpath=args.out, save_last=True, save_top_k=0)],
+        callbacks=[ModelCheckpoint(dirpath=args.out, save_last=True, save_top_k=0), ReportStart()],
         logger=False,
         enable_progress_bar=False,
     )
@@ -58,6 +58,14 @@ def main() -> None:
     if trainer.is_global_zero:
         print(f"step {trainer.global_step}: loss {trainer.callback_metrics['train_loss']:.3f};"
               f" checkpoint in {Path(args.out) / 'last.ckpt'}")
+
+
+class ReportStart(L.Callback):
+    """Print the step training starts from: 0, or where the checkpoint left off."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            print(f"starting at step {trainer.global_step}", flush=True)
 
 
 if __name__ == "__main__":

@@ -273,6 +273,12 @@ def _hashable(key: Any) -> Any:
 
 
 def iter_index_tensors(index: dict[str, Any], prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The index's tensor entries whose keys start with ``prefix``, keyed without it."""
     for key, entry in index["tensors"].items():
         if key.startswith(prefix):
             yield key[len(prefix) :], entry
+
+
+def model_ties(index: dict[str, Any]) -> dict[str, str]:
+    """Tied model weights: each alias mapped to the name it is stored under (both without the model prefix)."""
+    return {k.removeprefix(MODEL_PREFIX): v.removeprefix(MODEL_PREFIX) for k, v in index.get("ties", {}).items()}

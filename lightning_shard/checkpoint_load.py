@@ -24,6 +24,8 @@ from lightning_shard.checkpoint_format import (
     TRAINER_STATE_TENSORS,
     CheckpointError,
     from_json_tree,
+    iter_index_tensors,
+    model_ties,
     read_index,
     read_rows,
 )
@@ -65,8 +67,8 @@ def load_model(
     engine: ShardedModule, module: nn.Module, directory: Path, index: dict[str, Any], strict: bool = True
 ) -> LoadResult:
     """Copy this rank's rows of every parameter (and every buffer) from the checkpoint into ``module``. Collective."""
-    stored = {key for key, _ in _model_entries(index)}
-    ties = {k.removeprefix(MODEL_PREFIX): v.removeprefix(MODEL_PREFIX) for k, v in index.get("ties", {}).items()}
+    stored = {key for key, _ in iter_index_tensors(index, MODEL_PREFIX)}
+    ties = model_ties(index)
     available = stored | set(ties)
     for p in engine.sharded_params():  # a tied weight stored under any one of its names covers them all
         if any(f in available for f in p.fqns):
@@ -90,7 +92,7 @@ def _key_check(module: nn.Module, available: set[str], strict: bool) -> LoadResu
 def _load_model_rows(
     engine: ShardedModule, module: nn.Module, directory: Path, index: dict[str, Any], ties: dict[str, str]
 ) -> None:
-    entries = dict(_model_entries(index))
+    entries = dict(iter_index_tensors(index, MODEL_PREFIX))
     mismatched, plan = [], []
     for p in engine.sharded_params():
         key = next((ties.get(f, f) for f in p.fqns if ties.get(f, f) in entries), None)
@@ -152,12 +154,9 @@ def _optimizer_state(
         options = from_json_tree(group["options"], {})
         groups.append({**options, "params": [position[n] for n in names_in_group]})
     state: dict[int, dict[str, Any]] = {}
-    prefix = f"{OPTIMIZER_PREFIX}{i}/"
     sharded = {p.fqn: p for p in engine.sharded_params()}
-    for key, entry in index["tensors"].items():
-        if not key.startswith(prefix):
-            continue
-        fqn, name = key[len(prefix) :].rsplit("/", 1)
+    for key, entry in iter_index_tensors(index, f"{OPTIMIZER_PREFIX}{i}/"):
+        fqn, name = key.rsplit("/", 1)
         if fqn not in position:  # strict=False: the model no longer has this parameter
             continue
         p = sharded[fqn]
@@ -165,7 +164,7 @@ def _optimizer_state(
             value = read_rows(directory, entry, p.first_row, p.first_row + p.local_rows).reshape(p.sharded.shape)
         else:
             value = read_rows(directory, entry, 0, entry["shape"][0] if entry["shape"] else 1)
-        state.setdefault(position[fqn], {})[name] = value.to(p.sharded.device)
+        state.setdefault(position[fqn], {})[name] = value  # load_state_dict() moves it as the optimizer wants
     for fqn, values in meta.get("values", {}).items():
         if fqn in position:
             state.setdefault(position[fqn], {}).update({k: from_json_tree(v, {}) for k, v in values.items()})
@@ -173,8 +172,6 @@ def _optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
-def _model_entries(index: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    return [(k.removeprefix(MODEL_PREFIX), e) for k, e in index["tensors"].items() if k.startswith(MODEL_PREFIX)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -77,9 +77,8 @@ def save_checkpoint_dir(
     plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp)
     try:
         records = _gathered(agree(plan.write_local))
-        if rank == 0:
-            _finish(tmp, path, plan.index(records, layout), trainer_state, tensors)
-        agree(lambda: None)
+        # Rank 0 finishes the directory; agree() so that a failure there is raised on every rank, not a hang.
+        agree(lambda: _finish(tmp, path, plan.index(records, layout), trainer_state, tensors) if rank == 0 else None)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -198,7 +197,14 @@ def _optimizer_plan(engine: ShardedModule, optimizer: Optimizer, i: int) -> tupl
     groups = []
     for group in state["param_groups"]:
         g = {k: v for k, v in group.items() if k != "params"}
-        groups.append({"params": [names[j] for j in group["params"]], "options": to_json_tree(g, {}, f"optimizer {i}")})
+        option_tensors: dict[str, Tensor] = {}
+        options = to_json_tree(g, option_tensors, f"optimizer {i}")
+        if option_tensors:
+            raise CheckpointError(
+                f"Optimizer {i} has tensor-valued options ({', '.join(sorted(option_tensors))}): a checkpoint stores"
+                f" options as plain values. Pass them as Python numbers (e.g. lr=1e-3, not lr=torch.tensor(1e-3))."
+            )
+        groups.append({"params": [names[j] for j in group["params"]], "options": options})
     values: dict[str, dict[str, Any]] = {}
     tensors: list[Any] = []
     for j, param_state in state["state"].items():

@@ -19,6 +19,8 @@ from lightning_shard.checkpoint_format import (
     SafetensorsStreamWriter,
     crc32,
     dtype_from_name,
+    iter_index_tensors,
+    model_ties,
     read_index,
     read_rows,
     sha256_file,
@@ -33,8 +35,8 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
     """
     directory, output = Path(checkpoint_dir), Path(output)
     index = read_index(directory)
-    model = [(k.removeprefix(MODEL_PREFIX), e) for k, e in index["tensors"].items() if k.startswith(MODEL_PREFIX)]
-    ties = {k.removeprefix(MODEL_PREFIX): v.removeprefix(MODEL_PREFIX) for k, v in index.get("ties", {}).items()}
+    model = list(iter_index_tensors(index, MODEL_PREFIX))
+    ties = model_ties(index)
     specs = [(key, dtype_from_name(e["dtype"]), tuple(e["shape"])) for key, e in model]
     metadata = {"format": FORMAT_NAME, "ties": json.dumps(ties)}
     tmp = output.with_name(f".{output.name}.tmp")

@@ -15,12 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from lightning_shard.engine import plan_units
 from lightning_shard.mesh import mesh_shape
-from lightning_shard.mixed_precision import mixed_precision_for, parse_dtype
+from lightning_shard.mixed_precision import check_precision, mixed_precision_for, parse_dtype, true_dtype_for
 from lightning_shard.param_shard import ShardedParam
 from lightning_shard.policies import ShardingStrategy, WrapPolicySpec, resolve_wrap_policy
 
@@ -85,7 +84,8 @@ def estimate_memory(
     if strategy is ShardingStrategy.HYBRID_SHARD and device_mesh is None:
         device_mesh = (1, world_size)
     _, shard_size = mesh_shape(strategy, world_size, device_mesh)
-    true_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
+    check_precision(precision)
+    true_dtype = true_dtype_for(precision)
     mixed = mixed_precision_for(precision)
     params = grads = state = 0
     unit_sizes: list[tuple[int, str]] = []

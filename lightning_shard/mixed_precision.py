@@ -77,6 +77,22 @@ class MixedPrecision:
         return parse_dtype(self.param_dtype)
 
 
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+def check_precision(precision: str) -> None:
+    """Raise ``ValueError`` naming the supported Trainer precision strings unless ``precision`` is one of them."""
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"ShardStrategy does not support precision={precision!r}. Choose one of: {', '.join(SUPPORTED_PRECISIONS)}."
+        )
+
+
+def true_dtype_for(precision: str) -> torch.dtype | None:
+    """The dtype a ``"*-true"`` precision stores parameters in (``None``: the parameters' own dtype)."""
+    return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
+
+
 def mixed_precision_for(precision: str) -> MixedPrecision | None:
     """What a Trainer precision string implies for the shards (``None``: nothing to cast)."""
     match precision:

@@ -6,7 +6,8 @@ Logged at every ``log_every_n_steps`` training step (to the Trainer's logger, fr
 
 - ``shard/memory_mb/rank{r}``: each rank's memory: CUDA memory allocated on a GPU, resident set size on CPU;
   on a GPU also ``shard/peak_memory_mb/rank{r}`` (the step's peak);
-- ``shard/all_gather_mb`` and ``shard/reduce_mb``: bytes this rank's collectives moved in the step;
+- ``shard/all_gather_mb`` and ``shard/reduce_mb``: bytes this rank's collectives moved in the step (with
+  ``accumulate_grad_batches``, over all micro-batches of the optimizer step);
 - ``shard/comm_seconds``: time this rank spent issuing collectives and waiting for them in the step.
 
 The progress bar shows this rank's memory as ``mem_mb``.
@@ -35,6 +36,8 @@ class ShardMonitor(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if batch_idx % trainer.accumulate_grad_batches != 0:  # inside an optimizer step: keep counting
+            return
         self._before = collectives.STATS.snapshot()
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
@@ -44,11 +47,13 @@ class ShardMonitor(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = collectives.STATS
-        memory = torch.tensor(_memory_mb(pl_module.device), device=pl_module.device)
-        pl_module.log("mem_mb", memory[0].item(), prog_bar=self.prog_bar, logger=False, rank_zero_only=False)
-        if trainer.global_step % getattr(trainer, "log_every_n_steps", 50) != 0:
+        memory = _memory_mb(pl_module.device)
+        pl_module.log("mem_mb", memory[0], prog_bar=self.prog_bar, logger=False, rank_zero_only=False)
+        last_micro_batch = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if not last_micro_batch or trainer.global_step % getattr(trainer, "log_every_n_steps", 50) != 0:
             return
-        per_rank = trainer.strategy.all_gather(memory)  # (world, 2): every rank's figures reach rank 0's logger
+        # (world, 2): every rank's figures reach rank 0's logger
+        per_rank = trainer.strategy.all_gather(torch.tensor(memory, device=pl_module.device))
         if per_rank.dim() == 1:
             per_rank = per_rank.unsqueeze(0)
         metrics = {

@@ -18,18 +18,16 @@ import torch.distributed as dist
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard import collectives
-from lightning_shard.mixed_precision import MixedPrecision, mixed_precision_for
+from lightning_shard.mixed_precision import MixedPrecision, check_precision, mixed_precision_for, true_dtype_for
 
 ShardPrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
-_SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-_LOW_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16}
+_AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -66,10 +64,7 @@ class ShardPrecision(Precision):
     def __init__(
         self, precision: ShardPrecisionName = "32-true", scaler: ShardedGradScaler | None = None, device: str = "cpu"
     ) -> None:
-        if precision not in _SUPPORTED:
-            raise ValueError(
-                f"ShardStrategy does not support precision={precision!r}. Choose one of: {', '.join(_SUPPORTED)}."
-            )
+        check_precision(precision)
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"precision={precision!r} does not use a loss scaler; only '16-mixed' does.")
         self.precision = precision
@@ -91,9 +86,7 @@ class ShardPrecision(Precision):
 
     @property
     def _true_dtype(self) -> torch.dtype | None:
-        if self.precision.endswith("-true") and self.precision != "32-true":
-            return _LOW_DTYPE[self.precision.split("-")[0]]
-        return None
+        return true_dtype_for(self.precision)
 
     # Module and tensors #
 
@@ -114,8 +107,8 @@ class ShardPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.precision.endswith("-mixed"):
-            dtype = _LOW_DTYPE[self.precision.split("-")[0]]
+        if self.precision in _AUTOCAST_DTYPE:
+            dtype = _AUTOCAST_DTYPE[self.precision]
             with torch.autocast(self.device, dtype=dtype, cache_enabled=False):
                 yield
         else:
@@ -159,20 +152,6 @@ class ShardPrecision(Precision):
         step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         self.scaler.update()
         return step_output
-
-    @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        if clip_val <= 0:
-            return
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            self.clip_grad_by_value(optimizer, clip_val)
-        else:
-            self.clip_grad_by_norm(optimizer, clip_val)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

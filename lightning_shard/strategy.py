@@ -509,17 +509,19 @@ class ShardStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if not dist.is_available():
             return
-        entries = {
-            "shard": ("Fully sharded data parallel (ZeRO-3) on CPU or GPU", "FULL_SHARD"),
-            "shard_grad_op": ("Sharded gradients and optimizer state (ZeRO-2)", "SHARD_GRAD_OP"),
-            "shard_hybrid": ("Sharded within groups, replicated across them", "HYBRID_SHARD"),
-            "shard_offload": ("Fully sharded, with shards and optimizer state in CPU memory", "FULL_SHARD"),
+        entries: dict[str, tuple[str, dict[str, Any]]] = {
+            "shard": ("Fully sharded data parallel (ZeRO-3) on CPU or GPU", {"sharding_strategy": "FULL_SHARD"}),
+            "shard_grad_op": ("Sharded gradients and optimizer state (ZeRO-2)", {"sharding_strategy": "SHARD_GRAD_OP"}),
+            "shard_hybrid": ("Sharded within groups, replicated across them", {"sharding_strategy": "HYBRID_SHARD"}),
+            "shard_offload": (
+                "Fully sharded, with shards and optimizer state in CPU memory",
+                {"sharding_strategy": "FULL_SHARD", "cpu_offload": True},
+            ),
         }
-        for name, (description, sharding) in entries.items():
+        for name, (description, init_kwargs) in entries.items():
             if name in strategy_registry:
                 continue
-            extra = {"cpu_offload": True} if name == "shard_offload" else {}
-            strategy_registry.register(name, cls, description=description, sharding_strategy=sharding, **extra)
+            strategy_registry.register(name, cls, description=description, **init_kwargs)
             cls._registered_strategies.append(name)
 
 

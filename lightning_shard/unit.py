@@ -114,6 +114,8 @@ class ShardUnit:
             p.bind_unsharded(self.flat_unsharded)
             if p.requires_grad:
                 p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+        # Each parameter's full bytes in the unsharded buffer (views stay valid while its storage is freed).
+        self._regions = [p.unsharded_region(self.flat_unsharded) for p in self.params]
         self.state = UnitState.UNSHARDED
         self._pending_gather: collectives.Pending | None = None
         self._restore_version: AbstractContextManager = nullcontext()
@@ -193,16 +195,18 @@ class ShardUnit:
             # The version to restore once the gather has landed (a backend thread may write, and so bump the
             # version counter, any time before wait() returns): see [Note: unit states and autograd].
             self._restore_version = torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded)
-            send = self._all_gather_input()
             group = self.mesh.shard_group
-            if not self.gathers:
-                self._pending_gather = collectives.Pending(None, lambda: send)
-            elif group is not None and collectives.exchanges_point_to_point(self.mesh.shard_backend, self.device):
-                pieces = [p for p in self.params if p.padded_gather_bytes > 0]
+            if group is None:  # one-rank shard group: cast (or upload) straight into the unsharded buffer
+                self._all_gather_input(into=self.flat_unsharded)
+                self._pending_gather = None
+                return
+            send = self._all_gather_input()
+            if collectives.exchanges_point_to_point(self.mesh.shard_backend, self.device):
+                pieces = [(r, p) for r, p in zip(self._regions, self.params) if p.padded_gather_bytes > 0]
                 with torch.no_grad():
                     self._pending_gather = collectives.all_gather_pieces(
-                        [p.unsharded_region(self.flat_unsharded) for p in pieces],
-                        [send[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for p in pieces],
+                        [r for r, _ in pieces],
+                        [send[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for _, p in pieces],
                         group,
                         async_op,
                     )
@@ -216,24 +220,24 @@ class ShardUnit:
         restore_version, self._restore_version = self._restore_version, nullcontext()
         with torch.no_grad(), restore_version:
             gathered = pending.wait() if pending is not None else None
-            if gathered is not None:  # gathered rank-major (or only cast): copy into the param-major buffer
+            if gathered is not None:  # gathered rank-major: copy into the param-major buffer
                 n = self.mesh.shard_size
                 torch.split_with_sizes_copy(
                     gathered.view(n, -1),
                     [p.padded_gather_bytes for p in self.params],
                     dim=1,
-                    out=[p.unsharded_region(self.flat_unsharded).view(n, -1) for p in self.params],
+                    out=[r.view(n, -1) for r in self._regions],
                 )
         self.state = UnitState.UNSHARDED
         for p in self.params:
             p.expose_unsharded()
 
-    def _all_gather_input(self) -> Tensor:
+    def _all_gather_input(self, into: Tensor | None = None) -> Tensor:
         """This rank's chunk as bytes on the compute device: the sharded buffer itself, or a copy (cast to the
-        compute dtypes, uploaded from CPU memory under offload)."""
+        compute dtypes, uploaded from CPU memory under offload) in ``into`` or a new buffer."""
         if not self.casts and not self.offloaded:
             return self.flat_sharded.view(torch.uint8)
-        send = torch.empty(self.gather_bytes, dtype=torch.uint8, device=self.device)
+        send = into if into is not None else torch.empty(self.gather_bytes, dtype=torch.uint8, device=self.device)
         if not self.casts:
             send.copy_(self.flat_sharded.view(torch.uint8), non_blocking=True)
             return send
@@ -256,19 +260,14 @@ class ShardUnit:
             self.flat_unsharded.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
-    def reduce_grads(self) -> None:
-        """Average the gradients on the unsharded faces over all data-parallel ranks into the sharded faces' grads."""
-        pending = self.start_reduce_grads(async_op=False)
-        if pending is not None:
-            pending.wait()
-
-    def start_reduce_grads(self, async_op: bool = True) -> collectives.Pending | None:
-        """Issue the gradient reduction; ``wait()`` on the result puts this rank's rows into the shards' grads."""
+    def start_reduce_grads(self) -> collectives.Pending | None:
+        """Issue the gradient reduction (averaging over all data-parallel ranks); ``wait()`` on the result puts this
+        rank's rows into the shards' grads."""
         self.backward_state = BackwardState.IDLE
         if not self.trainable:
             return None
         with record_function(f"lightning_shard::reduce_grads({self.name})"):
-            return self._start_reduce(async_op and self.mesh.replicate_group is None)
+            return self._start_reduce(async_op=self.mesh.replicate_group is None)
 
     def _start_reduce(self, async_op: bool) -> collectives.Pending:
         mesh = self.mesh

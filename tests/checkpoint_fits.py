@@ -10,13 +10,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_shard import ShardStrategy
+from tests.fits import full_params_shard
 from tests.models import LitModel, make_dataset
 
 
 def full_state(strategy: ShardStrategy) -> dict[str, Any]:
     """Every parameter and per-parameter optimizer tensor in full, by name (collective)."""
     engine = strategy.engine
-    params = {fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params() for fqn in p.fqns}
+    params = full_params_shard(strategy)
     by_shard = {id(p.sharded): p for p in engine.sharded_params()}
     optim: dict[str, torch.Tensor] = {}
     for i, optimizer in enumerate(strategy.optimizers):

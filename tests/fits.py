@@ -44,9 +44,11 @@ def cli_with_strategy_args(tmp_path: Any, init_args: dict[str, Any]) -> Any:
     return LightningCLI(LitModel, run=False, args=["--config", str(path)], save_config_callback=None)
 
 
-def full_params_shard(module: LitModel, strategy: ShardStrategy) -> dict[str, torch.Tensor]:
+def full_params_shard(strategy: ShardStrategy) -> dict[str, torch.Tensor]:
+    """Every parameter in full under each of its names (tied weights: gathered once, listed under every name)."""
     engine = strategy.engine
-    return {fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params() for fqn in p.fqns}
+    full = {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
+    return {fqn: full[p.fqn] for p in engine.sharded_params() for fqn in p.fqns}
 
 
 def fit_shard(
@@ -57,7 +59,7 @@ def fit_shard(
     strategy = ShardStrategy(auto_wrap_policy={block_class(kind)}, **strategy_kwargs)
     trainer = trainer_for(strategy, world_size, steps, **(trainer_kwargs or {}))
     trainer.fit(module, train_dataloaders=loader(kind))
-    return {"losses": module.losses, "params": full_params_shard(module, strategy)}
+    return {"losses": module.losses, "params": full_params_shard(strategy)}
 
 
 def fit_ddp(rank: int, world_size: int, kind: str, steps: int = 10, trainer_kwargs: dict | None = None) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -137,14 +138,15 @@ def memory_after_step(rank: int, world_size: int) -> dict[str, Any]:
     trainer.fit(module, train_dataloaders=loader("gpt"))
     report = strategy.memory_report()
     engine = strategy.engine
-    elsize = 4
-    padding = 0
-    for unit in engine.units:
-        real = sum(p.local_rows * p.row_numel for p in unit.params)
-        real_trainable = sum(p.local_rows * p.row_numel for p in unit.trainable)
-        padding += (unit.sharded_numel - real) * elsize
-        if unit.trainable:
-            padding += (unit.grad_sharded_numel + len(unit.trainable) - real_trainable) * elsize
+    # What dim-0 sharding must pad, from the global shapes alone (not from the engine's own buffer sizes): each
+    # rank holds ceil(rows / N) rows of every parameter and, for a trainable one, of its gradient, plus one
+    # "was used" flag per trainable parameter.
+    elsize, padding = 4, 0.0
+    for p in engine.sharded_params():
+        rows = p.global_shape[0] if len(p.global_shape) else 1
+        row_numel = math.prod(p.global_shape[1:])
+        extra = math.ceil(rows / world_size) * row_numel - rows * row_numel / world_size
+        padding += (extra * (2 if p.requires_grad else 1) + (1 if p.requires_grad else 0)) * elsize
     unsharded_alive = sum(u.flat_unsharded.untyped_storage().nbytes() for u in engine.units)
     return {"report": report, "padding": padding, "unsharded_alive": unsharded_alive}
 

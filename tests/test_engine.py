@@ -4,6 +4,8 @@ several forwards before one backward, no_grad forwards, meta-device init, collec
 from __future__ import annotations
 
 import math
+import unittest.mock
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -152,31 +154,26 @@ def count_collectives(rank: int, world_size: int) -> dict:
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine = _shard(model, "FULL_SHARD", {nn.Linear})
     calls: dict[str, list[int]] = {"all_gather": [], "reduce": []}
-    names = ("all_gather_flat", "all_gather_pieces", "reduce_scatter_sum", "reduce_scatter_exchange", "all_reduce_sum")
-    originals = {name: getattr(collectives, name) for name in names}
+    kinds = {"all_gather_flat": "all_gather", "all_gather_pieces": "all_gather", "reduce_scatter_sum": "reduce",
+             "reduce_scatter_exchange": "reduce", "all_reduce_sum": "reduce"}
 
     def nbytes(tensors: object) -> int:
         return sum(t.numel() * t.element_size() for t in (tensors if isinstance(tensors, list) else [tensors]))
 
-    def counting(name: str, kind: str):  # noqa: ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            calls[kind].append(args[3] if name == "reduce_scatter_exchange" else nbytes(args[0]))
-            return originals[name](*args, **kwargs)
+    def counting(name: str) -> Callable[..., Any]:
+        original = getattr(collectives, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[kinds[name]].append(args[3] if name == "reduce_scatter_exchange" else nbytes(args[0]))
+            return original(*args, **kwargs)
+
         return wrapper
 
     x = torch.randn(2, 4)
-    try:
-        collectives.all_gather_flat = counting("all_gather_flat", "all_gather")
-        collectives.all_gather_pieces = counting("all_gather_pieces", "all_gather")
-        collectives.reduce_scatter_sum = counting("reduce_scatter_sum", "reduce")
-        collectives.reduce_scatter_exchange = counting("reduce_scatter_exchange", "reduce")
-        collectives.all_reduce_sum = counting("all_reduce_sum", "reduce")
+    with unittest.mock.patch.multiple(collectives, **{name: counting(name) for name in kinds}):
         out = model(x).sum()
         forward_gathers = len(calls["all_gather"])
         out.backward()
-    finally:
-        for name, fn in originals.items():
-            setattr(collectives, name, fn)
     return {
         "units": len(engine.units),
         "forward_gathers": forward_gathers,
@@ -408,31 +405,32 @@ def test_a_parameter_used_on_one_rank_only_gets_the_averaged_gradient_everywhere
     run_on_ranks(partly_unused, world_size)
 
 
-def on_collective_path(rank: int, world_size: int, check: str, *args: object) -> int:
+def on_collective_path(rank: int, world_size: int, check: Callable[..., None], *args: object) -> dict[str, int]:
     """Run ``check`` with the path NCCL takes (flat all-gather + copy, rank-major reduce-scatter) instead of gloo's
-    point-to-point exchanges; gloo runs those collectives on CPU too. Returns how many flat all-gathers ran."""
-    patched = {"exchanges_point_to_point": lambda backend, device: False}
-    calls = 0
-    original_gather = collectives.all_gather_flat
+    point-to-point exchanges; gloo runs those collectives on CPU too. Returns how often each of them ran."""
+    calls = {"all_gather_flat": 0, "reduce_scatter_sum": 0}
 
-    def counting_gather(*a: Any, **k: Any) -> collectives.Pending:
-        nonlocal calls
-        calls += 1
-        return original_gather(*a, **k)
+    def counting(name: str) -> Callable[..., collectives.Pending]:
+        original = getattr(collectives, name)
 
-    patched["all_gather_flat"] = counting_gather
-    originals = {name: getattr(collectives, name) for name in patched}
-    try:
-        for name, fn in patched.items():
-            setattr(collectives, name, fn)
-        globals()[check](rank, world_size, *args)
-    finally:
-        for name, fn in originals.items():
-            setattr(collectives, name, fn)
+        def wrapper(*a: Any, **k: Any) -> collectives.Pending:
+            calls[name] += 1
+            return original(*a, **k)
+
+        return wrapper
+
+    with unittest.mock.patch.multiple(
+        collectives,
+        exchanges_point_to_point=lambda backend, device: False,
+        all_gather_flat=counting("all_gather_flat"),
+        reduce_scatter_sum=counting("reduce_scatter_sum"),
+    ):
+        check(rank, world_size, *args)
     return calls
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_collective_path_nccl_takes_gives_the_same_gradients(world_size: int) -> None:
-    assert all(n > 0 for n in run_on_ranks(on_collective_path, world_size, "odd_shapes_roundtrip", "FULL_SHARD"))
-    assert all(n > 0 for n in run_on_ranks(on_collective_path, world_size, "partly_unused"))
+    for check, args in ((odd_shapes_roundtrip, ("FULL_SHARD",)), (partly_unused, ())):
+        for calls in run_on_ranks(on_collective_path, world_size, check, *args):
+            assert calls["all_gather_flat"] > 0 and calls["reduce_scatter_sum"] > 0, calls

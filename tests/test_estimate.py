@@ -71,3 +71,10 @@ def test_estimate_with_cpu_offload_counts_model_state_as_cpu_memory() -> None:
                            "--world-size", "4", "--wrap", "GPTBlock", "--cpu-offload"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "in CPU memory" in done.stdout
+
+
+def test_estimate_refuses_an_unknown_precision_string() -> None:
+    with torch.device("meta"):
+        model = TinyGPT()
+    with pytest.raises(ValueError, match="precision='bf16'.*bf16-mixed"):
+        estimate_memory(model, 2, precision="bf16")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_resume_on_another_process_count_then_consolidate(tmp_path: Path) -> Non
     script = "examples/resume_and_consolidate.py"
     _run(script, "--devices", "2", "--max-steps", "4", "--out", str(tmp_path))
     resumed = _run(script, "--devices", "3", "--max-steps", "8", "--out", str(tmp_path), "--resume")
-    assert "step 8:" in resumed.stdout
+    assert "starting at step 4" in resumed.stdout and "step 8:" in resumed.stdout
     _run("-m", "lightning_shard.cli", "consolidate", str(tmp_path / "last.ckpt"), str(tmp_path / "model.safetensors"))
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert weights["model.tok_emb.weight"].shape[1] == 64
@@ -56,6 +56,5 @@ def test_adapter_finetuning_from_a_local_model_file(tmp_path: Path) -> None:
     save_file(state, str(tmp_path / "gpt2.safetensors"))
     done = _run("examples/finetune_adapters.py", "--max-steps", "3", "--weights", str(tmp_path / "gpt2.safetensors"))
     assert "trained 2,048 of" in done.stdout
-    new_keys = done.stdout.split("not in the file (new): ")[1].splitlines()[0]
-    assert all(".attn.c_attn.A" in k or ".attn.c_attn.B" in k for k in eval(new_keys))  # only the adapters
-    assert torch.is_tensor(load_file(str(tmp_path / "gpt2.safetensors"))["transformer.wte.weight"])
+    new_keys = ast.literal_eval(done.stdout.split("not in the file (new): ")[1].splitlines()[0])
+    assert set(new_keys) == {f"model.transformer.h.{i}.attn.c_attn.{m}" for i in range(2) for m in "AB"}

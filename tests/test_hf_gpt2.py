@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-import pytest
 import torch
+import transformers
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -15,8 +15,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_shard import ShardStrategy
 from lightning_shard.testing import run_on_ranks
 from tests.fits import full_params_shard, trainer_for
-
-transformers = pytest.importorskip("transformers")
 
 STEPS = 10
 
@@ -68,7 +66,7 @@ def fit_gpt2_shard(rank: int, world_size: int, steps: int = STEPS) -> dict:
     engine = strategy.engine
     return {
         "losses": module.losses,
-        "params": full_params_shard(module, strategy),
+        "params": full_params_shard(strategy),
         "units": [unit.name for unit in engine.units],
         "tied": [sorted(p.fqns) for p in engine.sharded_params() if len(p.fqns) > 1],
         "sharded": all(p.sharded.numel() < p.global_shape.numel() for p in engine.sharded_params()),
