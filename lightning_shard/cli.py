@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--no-verify", action="store_true", help="skip reading every file to check its checksum")
     e = commands.add_parser("estimate", help="per-rank memory for a model built on the meta device")
     e.add_argument("factory", help="module:callable returning the nn.Module (called under torch.device('meta'))")
-    e.add_argument("--world-size", type=int, required=True)
+    e.add_argument("--world-size", type=_world_size, required=True)
     e.add_argument("--wrap", nargs="*", default=None, help="module class names that become sharding units")
     e.add_argument("--sharding-strategy", default="FULL_SHARD")
     e.add_argument("--precision", default="32-true")
@@ -57,13 +57,31 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from lightning_shard.estimate import estimate_memory
 
-    module_name, _, attr = args.factory.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
+    module_name, colon, attr = args.factory.partition(":")
+    try:
+        if not colon or not attr:
+            raise ValueError("no ':callable' part")
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        print(f"lightning-shard: cannot load the model factory {args.factory!r} (module:callable): {err}",
+              file=sys.stderr)
+        return 2
     with torch.device("meta"):
         model = factory()
-    print(estimate_memory(model, args.world_size, args.sharding_strategy, args.precision, args.optimizer,
-                          auto_wrap_policy=args.wrap, cpu_offload=args.cpu_offload))
+    try:
+        report = estimate_memory(model, args.world_size, args.sharding_strategy, args.precision, args.optimizer,
+                                 auto_wrap_policy=args.wrap, cpu_offload=args.cpu_offload)
+    except ValueError as err:  # an option the estimate refuses: its message names the valid values
+        print(f"lightning-shard: {err}", file=sys.stderr)
+        return 2
+    print(report)
     return 0
+
+
+def _world_size(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return int(text)
 
 
 if __name__ == "__main__":

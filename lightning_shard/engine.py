@@ -34,7 +34,7 @@ backward uses it without a second all-gather. At most one unit beyond the runnin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ from lightning_shard.mesh import ShardMesh
 from lightning_shard.mixed_precision import MixedPrecision, parse_dtype
 from lightning_shard.param_shard import ShardedParam
 from lightning_shard.policies import ShardingStrategy, WrapPolicy, select_unit_modules
-from lightning_shard.unit import BackwardState, ShardUnit
+from lightning_shard.unit import BackwardState, ShardUnit, UnitState
 
 _ENGINE_ATTR = "_lightning_shard_engine"
 
@@ -59,6 +59,7 @@ class ShardedModule:
     def __init__(self, root: nn.Module, units: list[ShardUnit], mesh: ShardMesh, strategy: ShardingStrategy) -> None:
         self.root = root
         self.units = units  # module order: root first
+        units[0].is_root = True
         self.device = units[0].device  # where the model computes and communicates
         self.mesh = mesh
         self.sharding_strategy = strategy
@@ -69,6 +70,7 @@ class ShardedModule:
         self._recording: list[ShardUnit] = []
         self._position: dict[int, int] = {}
         self._pending_reduction: collectives.Pending | None = None
+        self.buffer_sync = BufferSync(root, mesh.world_size)  # see [Note: buffers follow DDP]
         for unit in units:
             unit.on_first_pre_backward = self._queue_end_of_backward
             unit.on_pre_forward = self._reshard_deferred
@@ -107,9 +109,17 @@ class ShardedModule:
     def _prefetch_next_forward(self, unit: ShardUnit) -> None:
         if len(self._recording) < 4 * len(self.units):  # bounded: forwards outside the root never end a recording
             self._recording.append(unit)
+        if self.root_unit._forward_depth == 0:  # a unit called on its own: no root forward will free a prefetch
+            return
         i = self._position.get(id(unit))
         if i is not None and i + 1 < len(self._forward_order) and self._forward_order[i + 1] is not unit:
             self._forward_order[i + 1].start_unshard()
+
+    def end_forward_pass(self) -> None:
+        """Called when the root's forward ends: free the prefetch of a unit that did not run (the order changed)."""
+        for unit in self.units:
+            if unit.state is UnitState.GATHERING:
+                unit.reshard()
 
     def _prefetch_next_backward(self, unit: ShardUnit) -> None:
         i = self._position.get(id(unit))
@@ -362,11 +372,18 @@ def _check_meta_modules_resettable(root: nn.Module, meta_modules: dict[int, list
 
 
 def _materialize_and_sync_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    """Move floating buffers to ``device`` (and ``dtype``), and make every rank hold rank 0's values."""
-    seen: set[int] = set()
+    """Move buffers to ``device`` (floating ones to ``dtype``), and make every rank hold rank 0's values.
+
+    A buffer registered in several modules (the same tensor) stays one tensor: it is moved once and every module
+    gets the moved tensor.
+    """
+    moved: dict[int, Tensor] = {}  # id of the original buffer -> the tensor every module holding it gets
     for module in root.modules():
         for name, buf in module._buffers.items():
-            if buf is None or id(buf) in seen:
+            if buf is None:
+                continue
+            if id(buf) in moved:
+                module._buffers[name] = moved[id(buf)]
                 continue
             if buf.is_meta:
                 raise TypeError(
@@ -374,12 +391,85 @@ def _materialize_and_sync_buffers(root: nn.Module, device: torch.device, dtype: 
                     f" reset_parameters(); initialise it there, or create it on a real device."
                 )
             target = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
-            if buf.device != device or buf.dtype != target:
-                buf = buf.to(device=device, dtype=target)
-                module._buffers[name] = buf
-            seen.add(id(buf))
-            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-                collectives.broadcast_from_rank0(buf)
+            new = buf.to(device=device, dtype=target) if buf.device != device or buf.dtype != target else buf
+            moved[id(buf)] = module._buffers[name] = new
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        _broadcast_from_rank0_coalesced(_unique_buffers(root.modules()))
+
+
+class BufferSync:
+    """When the model's buffers are overwritten with global rank 0's during training, as DDP does.
+
+    [Note: buffers follow DDP]
+    Buffers are not sharded: every rank holds all of them. DDP (``broadcast_buffers``, since torch
+    2.13 ``forward_sync_buffers``, on by default) broadcasts rank 0's buffers at the start of its first
+    forward and of every forward that follows one run with gradients enabled outside ``no_sync()``,
+    whether or not the new one has gradients. So during training each rank's BatchNorm statistics are
+    rank 0's from the step before, updated with this rank's own batch; the first validation forward
+    after a training step broadcasts, so every rank validates with rank 0's statistics; the forward
+    after an evaluation forward, or after a micro-batch whose gradients are not synchronised,
+    broadcasts nothing. Checkpoints hold rank 0's buffers, which every rank loads. The engine makes
+    the same decision at every outermost forward of the root: one broadcast per device of all buffers'
+    bytes packed together (float statistics and the int64 ``num_batches_tracked`` alike, a buffer held
+    by several modules once), and nothing when the model has no buffers or runs on one rank.
+    ``accumulating`` stands for ``no_sync()``: the front end sets it for micro-batches that do not end
+    an accumulation window, whether or not it holds their gradients back. Set-up broadcasts too, as
+    DDP's does (``shard_module``, or the strategy when it is given a model sharded before).
+    """
+
+    def __init__(self, root: nn.Module, world_size: int) -> None:
+        self.enabled = True  # ShardStrategy(broadcast_buffers=...)
+        self.accumulating = False  # inside a micro-batch that does not end an accumulation window
+        self._due = True  # whether the next outermost root forward starts with a broadcast
+        self._world_size = world_size
+        self._owners = [m for m in root.modules() if any(b is not None for b in m._buffers.values())]
+
+    def before_root_forward(self) -> None:
+        """Called as the outermost root forward starts: broadcast if due; decide whether the next one is due."""
+        due, self._due = self._due, torch.is_grad_enabled() and not self.accumulating
+        if due and self.enabled:
+            self.broadcast()
+
+    def broadcast(self) -> None:
+        """Overwrite every buffer with global rank 0's (collective; nothing with one rank or no buffers)."""
+        if self._owners and self._world_size > 1:
+            _broadcast_from_rank0_coalesced(_unique_buffers(self._owners))
+
+
+def _unique_buffers(modules: Iterable[nn.Module]) -> list[Tensor]:
+    """The buffers of ``modules`` (their own, not their children's), each tensor once."""
+    seen: dict[int, Tensor] = {}
+    for module in modules:
+        for buf in module._buffers.values():
+            if buf is not None:
+                seen.setdefault(id(buf), buf)
+    return list(seen.values())
+
+
+def _broadcast_from_rank0_coalesced(buffers: list[Tensor]) -> None:
+    """Overwrite ``buffers`` on every rank with global rank 0's values: one broadcast per device, of every buffer's
+    bytes packed into one flat ``uint8`` tensor, whatever their dtypes."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for buf in buffers:
+        by_device.setdefault(buf.device, []).append(buf)
+    is_source = torch.distributed.get_rank() == 0
+    with torch.no_grad():
+        for device, bufs in by_device.items():
+            if is_source:
+                flat = torch.cat([buf.reshape(-1).view(torch.uint8) for buf in bufs])
+            else:
+                flat = torch.empty(sum(buf.nbytes for buf in bufs), dtype=torch.uint8, device=device)
+            collectives.broadcast_from_rank0(flat)
+            if is_source:
+                continue
+            # As DDP does: a graph that saved a buffer for backward (BatchNorm in eval mode) before the
+            # broadcast does not fail its version check in backward.
+            with torch.autograd._unsafe_preserve_version_counter(tuple(bufs)):
+                for buf, piece in zip(bufs, flat.split([buf.nbytes for buf in bufs])):
+                    if buf.is_contiguous():
+                        buf.view(-1).view(torch.uint8).copy_(piece)
+                    else:  # a strided view: reinterpret an aligned copy of its bytes
+                        buf.copy_(piece.clone().view(buf.dtype).view(buf.shape))
 
 
 def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | None) -> None:
@@ -392,6 +482,7 @@ def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | Non
         else:
             unit.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         unit.module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    root_unit.module.register_forward_hook(_root_post_forward(engine))
     output_dtype = parse_dtype(mixed_precision.output_dtype) if mixed_precision is not None else None
     if output_dtype is not None:
         root_unit.module.register_forward_hook(_cast_floating(output_dtype))
@@ -409,9 +500,19 @@ def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | N
         if root_unit._forward_depth == 0 and not engine._callback_queued:
             engine.discard_pending()
             engine.start_forward_pass()
+        if root_unit._forward_depth == 0:
+            engine.buffer_sync.before_root_forward()
         if input_dtype is not None:
             args, kwargs = _cast_tree((args, kwargs), input_dtype)
         return root_unit.pre_forward(module, args, kwargs)
+
+    return hook
+
+
+def _root_post_forward(engine: ShardedModule):  # noqa: ANN202
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        if engine.root_unit._forward_depth == 0:  # the outermost root forward has ended
+            engine.end_forward_pass()
 
     return hook
 
@@ -433,6 +534,6 @@ def _gather_root_if_needed(root_unit: ShardUnit):  # noqa: ANN202
         if root_unit.is_sharded:
             root_unit.unshard()
             if torch.is_grad_enabled():
-                root_unit.backward_state = BackwardState.PENDING
+                root_unit.expect_backward()
 
     return hook

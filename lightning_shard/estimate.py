@@ -28,7 +28,8 @@ _STATE_TENSORS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}  # per-par
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Estimated bytes per rank; ``model_state`` is what ``strategy.memory_report().sharded.total`` measures."""
+    """Estimated bytes per rank; ``model_state`` is what ``strategy.memory_report().sharded.total`` measures on rank 0
+    (other ranks hold the same padded shards, and no more optimizer state: only their real rows have any)."""
 
     parameters: int
     gradients: int
@@ -103,7 +104,8 @@ def estimate_memory(
                 grads += sp.padded_shard_numel * dtype.itemsize
                 local = math.ceil(sp.rows / shard_size) * sp.row_numel  # rank 0 holds the most rows
                 state += _STATE_TENSORS[optimizer] * local * dtype.itemsize + (4 if optimizer.startswith("adam") else 0)
-        grads += trainable * dtype.itemsize if trainable else 0  # the "was used" flags
+        if trainable and world_size > 1:  # the "was used" flags, kept with the reduced gradients (none on one rank)
+            grads += trainable * dtype.itemsize
         unit_sizes.append((unit_full, name))
     unit_sizes.sort(reverse=True)
     largest = unit_sizes[0] if unit_sizes else (0, "")

@@ -10,7 +10,7 @@ from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -38,16 +38,18 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.activation_checkpointing import apply_activation_checkpointing
 from lightning_shard.checkpoint_load import (
     ShardedCheckpointSource,
     load_model,
     load_optimizers,
     load_trainer_state,
 )
-from lightning_shard.checkpoint_save import StateDictType, agree, save_checkpoint_dir
+from lightning_shard.checkpoint_save import agree, save_checkpoint_dir
 from lightning_shard.clipping import clip_grad_norm_
-from lightning_shard.engine import ShardedModule, shard_module
+from lightning_shard.common.checkpoint import as_trainer_checkpoint
+from lightning_shard.common.options import ShardOptions, ShardOptionsMixin
+from lightning_shard.common.setup import accumulating, setup_sharded_module
+from lightning_shard.engine import ShardedModule
 from lightning_shard.memory import MemoryReport, memory_report
 from lightning_shard.mesh import ShardMesh, build_shard_mesh, mesh_shape
 from lightning_shard.mixed_precision import MixedPrecision
@@ -56,7 +58,6 @@ from lightning_shard.policies import (
     ShardingStrategy,
     ShardingStrategyName,
     WrapPolicySpec,
-    resolve_wrap_policy,
 )
 from lightning_shard.precision import ShardPrecision
 
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ShardStrategy(ParallelStrategy):
+class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
     """Fully sharded data parallel training (ZeRO-3) on ``torch.distributed``: gloo on CPU, NCCL on GPU.
 
     Each rank holds ``1/N`` of every parameter, gradient and optimizer state. The optimizer sees this
@@ -94,6 +95,10 @@ class ShardStrategy(ParallelStrategy):
         cpu_offload: keep parameter shards, gradients and optimizer state in CPU memory and run the optimizer step
             on the CPU; each unit's weights are uploaded to the GPU when it is gathered. Frees GPU memory at the
             cost of host-device copies every step. On a CPU device it changes nothing (a warning says so).
+        broadcast_buffers: as DDP's ``broadcast_buffers`` (``forward_sync_buffers``): ``True`` (default) overwrites
+            every rank's buffers (BatchNorm statistics) with global rank 0's at the start of each forward that
+            follows a training forward, in one broadcast; ``False`` leaves each rank's buffers to evolve from its
+            own data. Either way all ranks start from rank 0's buffers when the model is set up.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: timeout of the process group's collectives.
     """
@@ -118,6 +123,7 @@ class ShardStrategy(ParallelStrategy):
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] = "sharded",
         cpu_offload: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -128,18 +134,19 @@ class ShardStrategy(ParallelStrategy):
         )
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
-        self._wrap_policy = resolve_wrap_policy(auto_wrap_policy)
-        # A pair (replicas, shard_size); mesh_shape() explains anything else at setup.
-        self._device_mesh = cast(tuple[int, int], tuple(device_mesh)) if device_mesh is not None else None
-        self.mixed_precision = mixed_precision
-        self._checkpointing_policy = resolve_wrap_policy(activation_checkpointing_policy)
-        self.grad_sync = GradSync.parse(grad_sync)
-        self._state_dict_type = StateDictType.parse(state_dict_type)
-        if not isinstance(cpu_offload, bool):
-            raise TypeError(f"cpu_offload must be True or False, got {cpu_offload!r}.")
-        self.cpu_offload = cpu_offload
+        self.options = ShardOptions.parse(
+            auto_wrap_policy=auto_wrap_policy,
+            sharding_strategy=sharding_strategy,
+            device_mesh=device_mesh,
+            mixed_precision=mixed_precision,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            grad_sync=grad_sync,
+            state_dict_type=state_dict_type,
+            cpu_offload=cpu_offload,
+            broadcast_buffers=broadcast_buffers,
+            timeout=timeout,
+        )
+        self._device_mesh = self.options.device_mesh  # filled in at set-up for HYBRID_SHARD when not given
         self._mesh: ShardMesh | None = None
         self._engine: ShardedModule | None = None
         self._owns_process_group = False
@@ -180,7 +187,7 @@ class ShardStrategy(ParallelStrategy):
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:
         """The dtypes in effect: ``mixed_precision`` if given, else what the precision plugin implies."""
-        return self.mixed_precision or self.precision_plugin.mixed_precision_config
+        return self.options.mixed_precision or self.precision_plugin.mixed_precision_config
 
     @property
     @override
@@ -190,7 +197,7 @@ class ShardStrategy(ParallelStrategy):
     @property
     def offloads(self) -> bool:
         """Whether shards live in CPU memory while the model computes on an accelerator (``cpu_offload``)."""
-        return self.cpu_offload and self.root_device.type != "cpu"
+        return self.options.cpu_offload and self.root_device.type != "cpu"
 
     @property
     def mesh(self) -> ShardMesh:
@@ -219,21 +226,21 @@ class ShardStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        if self.sharding_strategy is ShardingStrategy.HYBRID_SHARD and self._device_mesh is None:
+        if self.options.sharding_strategy is ShardingStrategy.HYBRID_SHARD and self._device_mesh is None:
             self._device_mesh = (self.num_nodes, self.num_processes)  # shard inside a node, replicate across nodes
         # Validate the mesh on every rank before any collective, so a bad value cannot hang the others.
-        mesh_shape(self.sharding_strategy, self.num_nodes * self.num_processes, self._device_mesh)
+        mesh_shape(self.options.sharding_strategy, self.num_nodes * self.num_processes, self._device_mesh)
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         self._owns_process_group = not _distributed_is_initialized()
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs: dict[str, Any] = {"timeout": self.options.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._owns_process_group:  # kept for calls after fit (sampling); destroyed when the program ends
             atexit.unregister(_destroy_process_group_at_exit)
             atexit.register(_destroy_process_group_at_exit)
-        self._mesh = build_shard_mesh(self.sharding_strategy, self._device_mesh, self._process_group_backend)
+        self._mesh = build_shard_mesh(self.options.sharding_strategy, self._device_mesh, self._process_group_backend)
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -267,18 +274,9 @@ class ShardStrategy(ParallelStrategy):
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place (the LightningModule is the root unit); it stays the same object."""
-        if self.cpu_offload and not self.offloads:
-            rank_zero_warn(
-                "ShardStrategy(cpu_offload=True) has no effect on a CPU device: the shards already live in CPU"
-                " memory. It offloads when training on GPUs."
-            )
-        self._engine = shard_module(
-            model, self.mesh, self.sharding_strategy, self._wrap_policy, self.root_device, self.mixed_precision_config,
-            cpu_offload=self.offloads,
+        self._engine = setup_sharded_module(
+            model, self.options, self.mesh, self.root_device, self.mixed_precision_config
         )
-        if self._checkpointing_policy is not None:
-            apply_activation_checkpointing(model, self._checkpointing_policy)
-        _move_param_free_modules(model, self.root_device)
         return model
 
     @override
@@ -333,15 +331,13 @@ class ShardStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for micro-batches that do not end an accumulation window. With
         ``grad_sync="step"`` their gradients stay unreduced on the unsharded weights; with ``"microbatch"``
-        they are reduced right away, as always."""
-        if self.grad_sync is not GradSync.STEP or self._engine is None:
+        they are reduced right away, as always. Either way the forward after such a micro-batch broadcasts no
+        buffers, as after DDP's ``no_sync()`` (see [Note: buffers follow DDP] in ``engine.py``)."""
+        if self._engine is None:
             yield
             return
-        self._engine.hold_gradients(True)
-        try:
+        with accumulating(self._engine, self.options.grad_sync):
             yield
-        finally:
-            self._engine.hold_gradients(False)
 
     def clip_grad_norm_(
         self, parameters: Iterable[Tensor] | None = None, max_norm: float = float("inf"), norm_type: float = 2.0
@@ -418,7 +414,7 @@ class ShardStrategy(ParallelStrategy):
         self._refuse_custom_checkpoint_io()
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(filepath)))
-        layout = self._state_dict_type
+        layout = self.options.state_dict_type
         save_checkpoint_dir(self.engine, self.lightning_module, self.optimizers, checkpoint, path, layout)
 
     @override
@@ -427,6 +423,7 @@ class ShardStrategy(ParallelStrategy):
         shards later, by ``load_model_state_dict`` and ``load_optimizer_state_dict``). Never unpickles."""
         directory = Path(self.broadcast(str(checkpoint_path)))
         state, index = agree(lambda: load_trainer_state(directory))
+        state = as_trainer_checkpoint(state)  # also reads what Fabric wrote
         source = ShardedCheckpointSource(directory, index)
         state["state_dict"] = source
         if index.get("optimizers"):
@@ -530,15 +527,6 @@ def _destroy_process_group_at_exit() -> None:
     ``Trainer`` (as with Lightning's own strategies) so that the model can still run forward after ``fit``."""
     if _distributed_is_initialized():
         dist.destroy_process_group()
-
-
-def _move_param_free_modules(model: nn.Module, device: torch.device) -> None:
-    """Move modules without parameters of their own (torchmetrics metrics, buffer-only modules) to ``device``."""
-    if device.type == "cpu":
-        return
-    for module in model.modules():
-        if next(module.parameters(recurse=False), None) is None and module is not model:
-            module._apply(lambda t: t.to(device) if t.device != device else t, recurse=False)
 
 
 def _as_shard_precision(plugin: Precision | None) -> ShardPrecision | None:

@@ -65,7 +65,8 @@ class BackwardState(enum.Enum):
 
     IDLE = enum.auto()  # nothing to reduce
     PENDING = enum.auto()  # a forward with grad ran (or a gradient arrived): reduce when its backward ends
-    HELD = enum.auto()  # kept unreduced on the unsharded faces (grad_sync="step" between optimizer steps)
+    HELD = enum.auto()  # kept unreduced on the unsharded faces (grad_sync="step" between optimizer steps); stays
+    # HELD through later forwards, so a forward that never gets a backward cannot discard these gradients
 
 
 class ShardUnit:
@@ -121,6 +122,7 @@ class ShardUnit:
         self._restore_version: AbstractContextManager = nullcontext()
         self.backward_state = BackwardState.IDLE
         self.hold_grads = False  # set by the engine while gradients accumulate unreduced (grad_sync="step")
+        self.is_root = False  # set by the engine: the root stays gathered from its forward to the end of backward
         self._forward_depth = 0
         self.on_first_pre_backward: Callable[[], None] = lambda: None  # set by the engine
         self.on_pre_forward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
@@ -395,7 +397,12 @@ class ShardUnit:
                 p.sharded.grad.add_(grad)
 
     def _on_grad_accumulated(self, _param: Tensor) -> None:
-        self.backward_state = BackwardState.PENDING
+        self.expect_backward()
+
+    def expect_backward(self) -> None:
+        """Reduce at the end of the coming backward; gradients already ``HELD`` stay held until then."""
+        if self.backward_state is BackwardState.IDLE:
+            self.backward_state = BackwardState.PENDING
 
     # Hooks #
 
@@ -415,8 +422,11 @@ class ShardUnit:
         if self._forward_depth > 0:
             return output
         output_tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and self.trainable and not output_tensors and not self.is_root:
+            # See [Note: a unit some ranks skip].
+            output, output_tensors = _ReachedByBackward.wrap_outputs(self, output)
         if torch.is_grad_enabled() and output_tensors:
-            self.backward_state = BackwardState.PENDING
+            self.expect_backward()
             for t in output_tensors:
                 t.register_hook(self._pre_backward)
             if self.reshard_after_forward:
@@ -427,7 +437,7 @@ class ShardUnit:
 
     def _pre_backward(self, grad: Tensor) -> Tensor:
         self.on_first_pre_backward()
-        self.backward_state = BackwardState.PENDING
+        self.expect_backward()
         self.unshard()
         self.on_pre_backward(self)  # prefetch the unit whose backward comes next
         return grad
@@ -505,6 +515,41 @@ def _result(pending: collectives.Pending) -> Tensor:
     result = pending.wait()
     assert result is not None
     return result
+
+
+class _ReachedByBackward(torch.autograd.Function):
+    """Identity on a unit's floating outputs that makes them require grad through one of its trainable weights,
+    which gets no gradient from it.
+
+    [Note: a unit some ranks skip]
+    A rank whose forward uses none of a unit's trainable parameters, on inputs that need no
+    gradient (a branch taken on some ranks only), gets outputs that need no gradient: left alone,
+    its backward would never reach the unit, nor the units after it through their inputs, while
+    the other ranks gather and reduce there. Every rank must issue the same collectives in the
+    same order, so such outputs are routed through this function: the backward reaches the unit
+    where it reaches it on the other ranks, and the unit reduces zeros (and flags) for what this
+    rank did not use. The root is left out: it is gathered for the whole step and reduced at the
+    end of backward on every rank, and its outputs are what the user's code receives.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, *outputs: Tensor) -> tuple[Tensor, ...]:
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        return (None, *grads)
+
+    @staticmethod
+    def wrap_outputs(unit: ShardUnit, output: Any) -> tuple[Any, list[Tensor]]:
+        flat, spec = tree_flatten(output)
+        positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.is_floating_point()]
+        if not positions:
+            return output, []
+        wrapped = _ReachedByBackward.apply(unit.trainable[0].unsharded, *(flat[i] for i in positions))
+        for i, t in zip(positions, wrapped):
+            flat[i] = t
+        return tree_unflatten(flat, spec), list(wrapped)
 
 
 class _RegisterPostBackward(torch.autograd.Function):

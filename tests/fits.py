@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_shard import ShardStrategy
-from tests.models import LitModel, block_class, loader
+from tests.models import LitModel, block_class, lit_model, loader
 
 
 def trainer_for(strategy: Any, world_size: int, steps: int, **kwargs: Any) -> L.Trainer:
@@ -55,7 +55,7 @@ def fit_shard(
     rank: int, world_size: int, kind: str, steps: int = 10, trainer_kwargs: dict | None = None, **strategy_kwargs: Any
 ) -> dict:
     L.seed_everything(0)
-    module = LitModel(kind)
+    module = lit_model(kind)
     strategy = ShardStrategy(auto_wrap_policy={block_class(kind)}, **strategy_kwargs)
     trainer = trainer_for(strategy, world_size, steps, **(trainer_kwargs or {}))
     trainer.fit(module, train_dataloaders=loader(kind))
@@ -64,7 +64,7 @@ def fit_shard(
 
 def fit_ddp(rank: int, world_size: int, kind: str, steps: int = 10, trainer_kwargs: dict | None = None) -> dict:
     L.seed_everything(0)
-    module = LitModel(kind)
+    module = lit_model(kind)
     trainer = trainer_for(DDPStrategy(), world_size, steps, **(trainer_kwargs or {}))
     trainer.fit(module, train_dataloaders=loader(kind))
     params = {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False)}

@@ -1,8 +1,10 @@
-"""Lightning-level worker functions: loops, metrics, optimizers and configure_model under ShardStrategy."""
+"""Lightning-level worker functions: loops, metrics, optimizers and configure_model under ShardStrategy; and what
+sharding must cost in bytes, in closed form from the parameters' shapes."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -12,9 +14,9 @@ import torchmetrics
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 
-from lightning_shard import ShardStrategy
-from tests.fits import trainer_for
-from tests.models import GPTBlock, LitModel, MLPBlock, MLPStack, TinyGPT, loader
+from lightning_shard import ShardPrecision, ShardStrategy
+from tests.fits import full_params_shard, trainer_for
+from tests.models import GPTBlock, LitModel, MLPBlock, MLPStack, TinyGPT, block_class, lit_model, loader
 
 
 class Classifier(LitModel):
@@ -168,3 +170,89 @@ def raising_mesh(rank: int, world_size: int) -> str:
     except ValueError as err:
         return str(err)
     return ""
+
+
+class ScaleRecorder(L.Callback):
+    """Records the loss scale at the start of every training step (empty without a loss scaler)."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scales.append(scaler.get_scale())
+
+
+def fit_shard_in_precision(
+    rank: int,
+    world_size: int,
+    kind: str,
+    precision: str,
+    sharding: str = "FULL_SHARD",
+    device_mesh: tuple[int, int] | None = None,
+    steps: int = 10,
+) -> dict[str, Any]:
+    """``fit_shard`` in ``precision`` and a sharding strategy; also the loss scale of every step. The precision goes
+    in as a ``ShardPrecision`` plugin: ``Trainer(precision="16-mixed")`` on CPU would run bf16-mixed instead."""
+    L.seed_everything(0)
+    module = lit_model(kind)
+    strategy = ShardStrategy(auto_wrap_policy={block_class(kind)}, sharding_strategy=sharding, device_mesh=device_mesh)
+    recorder = ScaleRecorder()
+    plugin = ShardPrecision(precision)  # type: ignore[arg-type]
+    trainer = trainer_for(strategy, world_size, steps, plugins=[plugin], callbacks=[recorder])
+    trainer.fit(module, train_dataloaders=loader(kind))
+    return {"losses": module.losses, "params": full_params_shard(strategy), "scales": recorder.scales}
+
+
+# Closed forms: what dim-0 sharding must cost, from the parameters' shapes alone (never the engine's buffers) #
+
+Params = list[tuple[str, nn.Parameter]]
+
+
+def units_of(model: nn.Module, block: type[nn.Module]) -> dict[str, Params]:
+    """Each sharding unit's parameters when every ``block`` is a unit and the root (``""``) holds the rest, blocks in
+    module order. A parameter is listed once, under its first name; one whose names span units (a tied weight) is the
+    root's."""
+    blocks = [name for name, m in model.named_modules() if isinstance(m, block)]
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    units: dict[str, Params] = {"": [], **{b: [] for b in blocks}}
+    for pid, fqns in names.items():
+        owners = {next((b for b in blocks if fqn.startswith(b + ".")), "") for fqn in fqns}
+        units[owners.pop() if len(owners) == 1 else ""].append((fqns[0], params[pid]))
+    return units
+
+
+def chunk_numel(shape: torch.Size, n: int) -> int:
+    """Elements of one rank's chunk of a parameter of ``shape`` over ``n`` ranks: ``ceil(rows / n)`` rows, the last
+    chunks padded (a 0-dim parameter is one row)."""
+    rows = shape[0] if len(shape) else 1
+    return math.ceil(rows / n) * math.prod(shape[1:])
+
+
+def gather_bytes(params: Params, n: int, itemsize: Callable[[str], int]) -> int:
+    """Bytes one all-gather of ``params`` over ``n`` ranks fills: every rank's padded chunk of each parameter, in its
+    compute dtype (``itemsize(name)`` bytes an element)."""
+    return sum(n * chunk_numel(p.shape, n) * itemsize(name) for name, p in params)
+
+
+def reduce_bytes(params: Params, n: int, itemsize: int = 4) -> int:
+    """Bytes of one gradient reduction of ``params`` over ``n`` ranks, as a reduce-scatter's input: every rank's
+    padded chunk of each trainable parameter's gradient plus one "was used" flag per trainable parameter, in the
+    reduce dtype; nothing for a unit with no trainable parameter."""
+    trainable = [p for _, p in params if p.requires_grad]
+    return n * (sum(chunk_numel(p.shape, n) for p in trainable) + len(trainable)) * itemsize if trainable else 0
+
+
+def step_gathers(units: dict[str, Params], n: int, itemsize: Callable[[str], int]) -> list[int]:
+    """Bytes of each all-gather of one training step under ``FULL_SHARD``, in order: every unit in forward (root
+    first), then in backward every block but the last, which stays gathered from forward; the root stays gathered
+    through backward (see [Note: the root unit] and [Note: the last unit of forward stays gathered])."""
+    per_unit = [gather_bytes(params, n, itemsize) for params in units.values()]
+    return per_unit + per_unit[1:-1][::-1]

@@ -1,4 +1,5 @@
-"""Small models for the tests: a stack of MLP blocks, and a GPT with tied embeddings and frozen weights."""
+"""Small models for the tests: a stack of MLP blocks, a GPT with tied embeddings and frozen weights, and an MLP whose
+shapes three ranks do not divide."""
 
 from __future__ import annotations
 
@@ -72,12 +73,26 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class UnevenMLP(MLPStack):
+    """Row counts that 3 ranks do not divide (10, 20), a 2-row head and a 0-dim scale: at 3 ranks the last rank holds
+    a short chunk of most parameters and no rows at all of the head, and only the first rank holds the scale."""
+
+    def __init__(self) -> None:
+        super().__init__(width=10, depth=2, classes=2)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * self.scale
+
+
 def make_model(kind: str) -> nn.Module:
-    return {"mlp": MLPStack, "gpt": TinyGPT}[kind]()
+    return {"mlp": MLPStack, "gpt": TinyGPT, "uneven": UnevenMLP}[kind]()
 
 
 def make_dataset(kind: str, n: int = 96) -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
+    if kind == "uneven":
+        return TensorDataset(torch.randn(n, 7, generator=g), torch.randint(0, 2, (n,), generator=g))
     if kind == "mlp":
         return TensorDataset(torch.randn(n, 7, generator=g), torch.randint(0, 5, (n,), generator=g))
     tokens = torch.randint(0, 37, (n, 9), generator=g)
@@ -85,7 +100,7 @@ def make_dataset(kind: str, n: int = 96) -> TensorDataset:
 
 
 def block_class(kind: str) -> type[nn.Module]:
-    return {"mlp": MLPBlock, "gpt": GPTBlock}[kind]
+    return {"mlp": MLPBlock, "gpt": GPTBlock, "uneven": MLPBlock}[kind]
 
 
 class LitModel(L.LightningModule):
@@ -114,6 +129,20 @@ class LitModel(L.LightningModule):
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr
         )
+
+
+class SGDLitModel(LitModel):
+    """``LitModel`` trained with SGD and momentum. Its step is proportional to the gradient, so a gradient off by a
+    constant factor (an average over the wrong number of ranks) shows in the parameters; Adam's step, normalised by
+    the gradient's own magnitude, would hide it."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def lit_model(kind: str) -> LitModel:
+    """The LightningModule the fits train for ``kind``: SGD for ``"uneven"``, AdamW (``LitModel``) otherwise."""
+    return SGDLitModel(kind) if kind == "uneven" else LitModel(kind)
 
 
 def _no_decay(name: str) -> bool:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from safetensors.torch import load_file
 
 from lightning_shard import consolidate, inspect
 from lightning_shard.checkpoint_format import INDEX_FILE
-from lightning_shard.testing import RankFailure, run_on_ranks
+from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
 from tests.checkpoint_fits import fit, global_losses
 from tests.fits import trainer_for
 
@@ -126,14 +128,23 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _fails_on_every_rank(ckpt: Path, out: Path, pattern: str) -> None:
+    """Resuming from ``ckpt`` raises on each of 2 ranks, each rank's own error matching ``pattern``: every rank
+    reported (none left waiting in a collective), and no rank's error is read from another rank's report."""
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(fit, 2, str(out), 2, str(ckpt), timeout=120)
+    outcomes = failure.value.outcomes
+    assert [o.status for o in outcomes.values()] == [RankStatus.RAISED] * 2, str(failure.value)
+    for rank, outcome in outcomes.items():
+        assert outcome.error.startswith("CheckpointError: "), f"rank {rank}: {outcome.error}"
+        assert re.search(pattern, outcome.error), f"rank {rank}: {outcome.error}"
+
+
 def test_truncated_shard_fails_fast_on_every_rank_naming_the_file(tmp_path: Path, saved: dict) -> None:
     ckpt = _copy(saved["ckpt"], tmp_path / "bad")
     shard = ckpt / "shard-00001-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
-    with pytest.raises(RankFailure) as failure:
-        run_on_ranks(fit, 2, str(tmp_path / "out"), 2, str(ckpt), timeout=120)
-    text = str(failure.value)
-    assert text.count("shard-00001-of-00002.safetensors") >= 2 and "truncated" in text  # both ranks, the file named
+    _fails_on_every_rank(ckpt, tmp_path / "out", r"shard-00001-of-00002\.safetensors has \d+ bytes .* truncated")
 
 
 def test_corrupted_bytes_are_caught_by_the_checksum(tmp_path: Path, saved: dict) -> None:
@@ -142,22 +153,19 @@ def test_corrupted_bytes_are_caught_by_the_checksum(tmp_path: Path, saved: dict)
     data = bytearray(shard.read_bytes())
     data[-8] ^= 0xFF  # same size, one flipped byte in the last tensor
     shard.write_bytes(bytes(data))
-    with pytest.raises(RankFailure, match="corrupted"):
-        run_on_ranks(fit, 2, str(tmp_path / "out"), 2, str(ckpt), timeout=120)
+    _fails_on_every_rank(ckpt, tmp_path / "out", r"shard-00000-of-00002\.safetensors is corrupted")
     assert inspect(ckpt).problems
 
 
 def test_missing_file_and_unknown_version_are_named(tmp_path: Path, saved: dict) -> None:
     missing = _copy(saved["ckpt"], tmp_path / "missing")
     (missing / "shard-00001-of-00002.safetensors").unlink()
-    with pytest.raises(RankFailure, match="shard-00001-of-00002.safetensors is missing"):
-        run_on_ranks(fit, 2, str(tmp_path / "o1"), 2, str(missing), timeout=120)
+    _fails_on_every_rank(missing, tmp_path / "o1", r"shard-00001-of-00002\.safetensors is missing")
     future = _copy(saved["ckpt"], tmp_path / "future")
     index = json.loads((future / INDEX_FILE).read_text())
     index["version"] = 99
     (future / INDEX_FILE).write_text(json.dumps(index))
-    with pytest.raises(RankFailure, match="format version 99"):
-        run_on_ranks(fit, 2, str(tmp_path / "o2"), 2, str(future), timeout=120)
+    _fails_on_every_rank(future, tmp_path / "o2", "format version 99")
 
 
 def test_shape_mismatch_names_the_keys(tmp_path: Path, saved: dict) -> None:
@@ -165,8 +173,7 @@ def test_shape_mismatch_names_the_keys(tmp_path: Path, saved: dict) -> None:
     index = json.loads((ckpt / INDEX_FILE).read_text())
     index["tensors"]["model/model.wte.weight"]["shape"] = [40, 16]
     (ckpt / INDEX_FILE).write_text(json.dumps(index))
-    with pytest.raises(RankFailure, match=r"model.wte.weight: checkpoint \(40, 16\), model \(37, 16\)"):
-        run_on_ranks(fit, 2, str(tmp_path / "o"), 2, str(ckpt), timeout=120)
+    _fails_on_every_rank(ckpt, tmp_path / "o", r"model\.wte\.weight: checkpoint \(40, 16\), model \(37, 16\)")
 
 
 def failing_save(rank: int, world_size: int, ckpt_dir: str) -> str:
@@ -239,28 +246,44 @@ def test_model_checkpoint_top_k_removes_old_directories(tmp_path: Path) -> None:
     assert inspect(best).problems == []
 
 
-def strict_false(rank: int, world_size: int, ckpt: str) -> list[str]:
+def strict_false(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+    """Resume a model with one more layer than the checkpoint; its full state when training starts (after the
+    load), and the extra layer's values before the load."""
     import lightning as L
 
     from lightning_shard import ShardStrategy
-    from tests.models import LitModel, loader
+    from tests.checkpoint_fits import Snapshots
+    from tests.models import loader
 
-    class Extra(LitModel):
+    class Extra(Snapshots):
         def __init__(self) -> None:
             super().__init__("gpt")
             self.extra = torch.nn.Linear(2, 2)  # not in the checkpoint
+            self.extra_before = {f"extra.{n}": p.detach().clone() for n, p in self.extra.named_parameters()}
             self.strict_loading = False
 
     L.seed_everything(0)
     trainer = trainer_for(ShardStrategy(auto_wrap_policy={"GPTBlock"}), world_size, steps=-1, max_epochs=2)
     expected = r"missing keys \['extra.bias', 'extra.weight'\]"  # rank 0 warns
+    module = Extra()
     with pytest.warns(UserWarning, match=expected) if rank == 0 else contextlib.nullcontext():
-        trainer.fit(Extra(), train_dataloaders=loader("gpt"), ckpt_path=ckpt)
-    return []
+        trainer.fit(module, train_dataloaders=loader("gpt"), ckpt_path=ckpt)
+    return {"start": module.start, "extra_before": module.extra_before}
 
 
-def test_strict_false_loads_what_matches_and_reports_the_rest(saved: dict) -> None:
-    run_on_ranks(strict_false, 2, str(saved["ckpt"]))
+def test_strict_false_loads_what_matches_and_keeps_the_rest(saved: dict) -> None:
+    checkpoint = saved["first"][0]["end"]  # the full state the first run saved as last.ckpt
+    for rank, r in enumerate(run_on_ranks(strict_false, 2, str(saved["ckpt"]))):
+        params = r["start"]["params"]
+        assert sorted(params) == sorted([*checkpoint["params"], "extra.bias", "extra.weight"]), f"rank {rank}"
+        for name, t in checkpoint["params"].items():
+            torch.testing.assert_close(params[name], t, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        for name, t in r["extra_before"].items():  # the layer the checkpoint lacks keeps its values exactly
+            assert torch.equal(params[name], t), f"rank {rank} {name}: {params[name]} != {t}"
+        optimizer = r["start"]["optimizer"]  # the checkpoint's optimizer state; none yet for the extra layer
+        assert sorted(optimizer) == sorted(checkpoint["optimizer"]), f"rank {rank}"
+        for name, t in checkpoint["optimizer"].items():
+            torch.testing.assert_close(optimizer[name], t, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
 
 
 def from_model_file(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:

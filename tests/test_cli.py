@@ -1,4 +1,5 @@
-"""LightningCLI builds ShardStrategy from YAML, by class_path with init_args and by registry name."""
+"""LightningCLI builds ShardStrategy from YAML, by class_path with init_args and by registry name, and refuses a
+bad value naming it; the ``lightning-shard`` command's errors are one line naming what is wrong, exit status 2."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_shard import ModuleClassWrapPolicy, ShardingStrategy, ShardStrategy
+from lightning_shard.cli import main
 from tests.models import LitModel
 
 BY_CLASS_PATH = """
@@ -46,8 +48,8 @@ def test_strategy_from_class_path_and_init_args(tmp_path: Path) -> None:
     strategy = _cli(tmp_path, BY_CLASS_PATH).trainer.strategy
     assert isinstance(strategy, ShardStrategy)
     assert strategy.sharding_strategy is ShardingStrategy.HYBRID_SHARD
-    assert strategy._device_mesh == (2, 2)
-    assert strategy._wrap_policy == ModuleClassWrapPolicy(frozenset({"GPTBlock", "MLPBlock"}))
+    assert strategy.options.device_mesh == (2, 2)
+    assert strategy.options.wrap_policy == ModuleClassWrapPolicy(frozenset({"GPTBlock", "MLPBlock"}))
 
 
 def test_strategy_from_registry_name(tmp_path: Path) -> None:
@@ -56,6 +58,75 @@ def test_strategy_from_registry_name(tmp_path: Path) -> None:
     assert strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
 
 
-def test_bad_sharding_strategy_in_yaml_is_refused(tmp_path: Path) -> None:
-    with pytest.raises((SystemExit, ValueError)):
+def test_bad_sharding_strategy_in_yaml_is_refused_naming_it_and_the_valid_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
         _cli(tmp_path, BY_CLASS_PATH.replace("HYBRID_SHARD", "ZERO4"))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert 'Parser key "sharding_strategy"' in err and "Given value: ZERO4" in err, err
+    assert "{FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,HYBRID_SHARD}" in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# The lightning-shard command
+# --------------------------------------------------------------------------------------------------
+
+
+def _command(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """Run ``lightning-shard *argv`` in this process: its exit status (argparse's own errors exit) and stderr."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+def test_command_names_a_directory_that_is_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _command(capsys, "consolidate", str(tmp_path / "nowhere"), str(tmp_path / "m.safetensors"))
+    assert code == 2 and err.startswith(f"lightning-shard: {tmp_path / 'nowhere'} is not a lightning_shard"), err
+    code, err = _command(capsys, "inspect", str(tmp_path))
+    assert (code, err) == (2, f"lightning-shard: {tmp_path / 'index.json'} is missing: {tmp_path} is not a complete"
+                              " checkpoint.\n")
+
+
+def test_command_refuses_an_unknown_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _command(capsys, "merge")
+    assert code == 2 and "invalid choice: 'merge' (choose from 'consolidate', 'inspect', 'estimate')" in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sharding-strategy", "ZERO4"], "lightning-shard: Unknown sharding_strategy 'ZERO4'. Valid values are:"
+                                           " 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD'.\n"),
+        (["--optimizer", "lion"], "lightning-shard: Unknown optimizer 'lion'. Valid values are: adamw, adam, sgd,"
+                                  " sgd_momentum.\n"),
+        (["--wrap", "Nope"], "lightning-shard: auto_wrap_policy names Nope, but no module of the model has that"
+                             " class. Module classes present: Embedding, GPTBlock, LayerNorm, Linear, ModuleList,"
+                             " TinyGPT.\n"),
+    ],
+    ids=["sharding_strategy", "optimizer", "wrap"],
+)
+def test_estimate_names_a_bad_option_in_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert _command(capsys, "estimate", "tests.models:TinyGPT", "--world-size", "2", *args) == (2, message)
+
+
+@pytest.mark.parametrize(
+    ("factory", "reason"),
+    [("tests.models:Nope", "module 'tests.models' has no attribute 'Nope'"),
+     ("no_such_module:build", "No module named 'no_such_module'"),
+     ("tests.models", "no ':callable' part")],
+    ids=["no_such_callable", "no_such_module", "no_colon"],
+)
+def test_estimate_names_a_factory_it_cannot_load(capsys: pytest.CaptureFixture[str], factory: str, reason: str) -> None:
+    expected = f"lightning-shard: cannot load the model factory {factory!r} (module:callable): {reason}\n"
+    assert _command(capsys, "estimate", factory, "--world-size", "2") == (2, expected)
+
+
+def test_estimate_refuses_a_world_size_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _command(capsys, "estimate", "tests.models:TinyGPT", "--world-size", "0")
+    assert code == 2 and "argument --world-size: must be a whole number of at least 1, got '0'" in err, err

@@ -1,5 +1,7 @@
-"""The engine without Lightning: geometry of shards, tied and frozen weights, unused parameters,
-several forwards before one backward, no_grad forwards, meta-device init, collective counts."""
+"""The engine without Lightning: which rows each rank holds, tied and frozen weights, parameters unused on some
+ranks (in the root and in other units), several forwards before one backward, meta-device init, the collective
+path NCCL takes (on gloo), and the errors every rank raises. Per-strategy collective counts and bytes are in
+``test_communication.py``."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_shard import collectives
-from lightning_shard.engine import shard_module
+from lightning_shard.engine import ShardedModule, shard_module
 from lightning_shard.mesh import build_shard_mesh
+from lightning_shard.param_shard import ShardedParam
 from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
 from lightning_shard.testing import run_on_ranks
 from lightning_shard.unit import UnitState
@@ -81,15 +84,7 @@ def odd_shapes_roundtrip(rank: int, world_size: int, strategy: str) -> None:
     expected_grads = _reference_grads(reference, x, world_size)
     engine = _shard(model, strategy, {Odd})
     for p in engine.sharded_params():
-        full = dict(reference.named_parameters())[p.fqn]
-        assert p.sharded.shape[1:] == full.shape[1:] if full.dim() > 0 else p.sharded.dim() == 1
-        torch.testing.assert_close(engine.gather_full(p, p.sharded), full.detach())
-        got_rows = p.sharded.shape[0] if full.dim() > 0 else p.sharded.numel()
-        assert got_rows == p.local_rows
-    expected_rows = {2: {"odd.few_rows": [2, 1], "odd.one": [1, 0]}, 4: {"odd.few_rows": [1, 1, 1, 0]}}
-    for name, rows in expected_rows.get(world_size, {}).items():
-        if strategy == "FULL_SHARD":
-            assert dict(model.named_parameters())[name].shape[0] == rows[rank], name
+        torch.testing.assert_close(engine.gather_full(p, p.sharded), dict(reference.named_parameters())[p.fqn])
     model(x).square().mean().backward()
     for p in engine.sharded_params():
         expected = expected_grads[p.fqn]
@@ -105,6 +100,46 @@ def odd_shapes_roundtrip(rank: int, world_size: int, strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_odd_shapes_shard_gather_and_reduce(world_size: int, strategy: str) -> None:
     run_on_ranks(odd_shapes_roundtrip, world_size, strategy)
+
+
+# Rows each rank holds under FULL_SHARD: ceil(rows / N) per rank in rank order, the last ranks short or empty; a
+# 0-dim parameter is one row. Written out rather than computed, for every parameter of ``Wrapper``.
+ROWS_PER_RANK = {
+    "lin.weight": {1: [5], 2: [3, 2], 3: [2, 2, 1], 4: [2, 2, 1, 0]},  # (5, 5)
+    "lin.bias": {1: [5], 2: [3, 2], 3: [2, 2, 1], 4: [2, 2, 1, 0]},  # (5,)
+    "odd.few_rows": {1: [3], 2: [2, 1], 3: [1, 1, 1], 4: [1, 1, 1, 0]},  # (3, 5): fewer rows than 4 ranks
+    "odd.scalar": {1: [1], 2: [1, 0], 3: [1, 0, 0], 4: [1, 0, 0, 0]},  # 0-dim
+    "odd.cube": {1: [6], 2: [3, 3], 3: [2, 2, 2], 4: [2, 2, 2, 0]},  # (6, 2, 3)
+    "odd.one": {1: [1], 2: [1, 0], 3: [1, 0, 0], 4: [1, 0, 0, 0]},  # (1,)
+    "odd.unused": {1: [4], 2: [2, 2], 3: [2, 2, 0], 4: [1, 1, 1, 1]},  # (4,)
+}
+
+
+def held_rows(rank: int, world_size: int, strategy: str) -> dict[str, tuple[torch.Size, Tensor, Tensor]]:
+    """What the model holds after sharding, as the optimizer sees it (``named_parameters()``), with the full
+    tensor it came from."""
+    torch.manual_seed(0)
+    model = Wrapper()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _shard(model, strategy, {Odd})
+    return {n: (p.shape, p.detach().clone(), full[n]) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_each_rank_holds_its_ceil_rows_slice_of_every_parameter(world_size: int, strategy: str) -> None:
+    results = run_on_ranks(held_rows, world_size, strategy)
+    for rank, held in enumerate(results):
+        assert held.keys() == ROWS_PER_RANK.keys()
+        for name, (shape, values, full) in held.items():
+            rows = full.reshape(-1, *full.shape[1:])  # a 0-dim parameter is one row
+            if strategy == "NO_SHARD":  # every rank holds every row
+                first, count = 0, len(rows)
+            else:
+                counts = ROWS_PER_RANK[name][world_size]
+                first, count = sum(counts[:rank]), counts[rank]
+            assert shape == (count, *full.shape[1:]), (name, rank, shape)
+            torch.testing.assert_close(values, rows[first : first + count], msg=f"{name}, rank {rank}")
 
 
 class Chain(nn.Module):
@@ -144,54 +179,6 @@ def several_forwards_one_backward(rank: int, world_size: int, strategy: str) -> 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_several_forwards_before_one_backward(strategy: str) -> None:
     run_on_ranks(several_forwards_one_backward, 2, strategy)
-
-
-def count_collectives(rank: int, world_size: int) -> dict:
-    """Every collective the engine issues goes through ``lightning_shard.collectives``: count calls and bytes there
-    (all-gathers by their output, reductions by their input)."""
-    torch.manual_seed(0)
-    model = Chain(n=4, width=16)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    engine = _shard(model, "FULL_SHARD", {nn.Linear})
-    calls: dict[str, list[int]] = {"all_gather": [], "reduce": []}
-    kinds = {"all_gather_flat": "all_gather", "all_gather_pieces": "all_gather", "reduce_scatter_sum": "reduce",
-             "reduce_scatter_exchange": "reduce", "all_reduce_sum": "reduce"}
-
-    def nbytes(tensors: object) -> int:
-        return sum(t.numel() * t.element_size() for t in (tensors if isinstance(tensors, list) else [tensors]))
-
-    def counting(name: str) -> Callable[..., Any]:
-        original = getattr(collectives, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            calls[kinds[name]].append(args[3] if name == "reduce_scatter_exchange" else nbytes(args[0]))
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    x = torch.randn(2, 4)
-    with unittest.mock.patch.multiple(collectives, **{name: counting(name) for name in kinds}):
-        out = model(x).sum()
-        forward_gathers = len(calls["all_gather"])
-        out.backward()
-    return {
-        "units": len(engine.units),
-        "forward_gathers": forward_gathers,
-        "backward_gathers": len(calls["all_gather"]) - forward_gathers,
-        "reductions": len(calls["reduce"]),
-        "bytes": sum(calls["all_gather"]) + sum(calls["reduce"]),
-        "model_bytes": model_bytes,
-    }
-
-
-def test_full_shard_collective_counts_and_bytes() -> None:
-    for stats in run_on_ranks(count_collectives, 2):
-        units = stats["units"]
-        assert units == 7  # embed, 4 layers, head, and the (empty) root
-        assert stats["forward_gathers"] == units - 1  # the root holds no parameters: nothing to gather
-        assert stats["backward_gathers"] == units - 2  # the last unit of forward is not gathered again
-        assert stats["reductions"] == units - 1
-        assert stats["bytes"] <= 3 * stats["model_bytes"], stats
 
 
 class TiedAcrossUnits(nn.Module):
@@ -405,32 +392,201 @@ def test_a_parameter_used_on_one_rank_only_gets_the_averaged_gradient_everywhere
     run_on_ranks(partly_unused, world_size)
 
 
+class SometimesInUnit(nn.Module):
+    """A unit (not the root) with one parameter that only some ranks use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.always = nn.Linear(4, 4)
+        self.sometimes = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: Tensor, use_sometimes: bool) -> Tensor:
+        out = self.always(x)
+        return out + (x @ self.sometimes.t()).sum() if use_sometimes else out
+
+
+class Gate(nn.Module):
+    """A unit whose only parameter some ranks skip: there its output is its input, which needs no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor, use: bool) -> Tensor:
+        return x + self.shift if use else x
+
+
+class UnusedInUnits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+        self.inner = SometimesInUnit()
+        self.out = nn.Linear(4, 2)  # the root's own parameters
+
+    def forward(self, x: Tensor, use_gate: bool, use_sometimes: bool) -> Tensor:
+        return self.out(self.inner(self.gate(x, use_gate), use_sometimes))
+
+
+def unused_in_units(rank: int, world_size: int, gate_everywhere: bool) -> None:
+    torch.manual_seed(0)
+    reference, model = UnusedInUnits(), UnusedInUnits()
+    model.load_state_dict(reference.state_dict())
+    use = rank % 2 == 0  # rank 0 at 2 ranks, ranks 0 and 2 at 3
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+
+    def run(m: nn.Module) -> Tensor:
+        return m(x, use or gate_everywhere, use).square().mean()
+
+    local = torch.autograd.grad(run(reference), list(reference.parameters()), allow_unused=True)
+    local = [g if g is not None else torch.zeros_like(p) for g, p in zip(local, reference.parameters())]
+    expected = dict(zip([n for n, _ in reference.named_parameters()], _ddp_average(local, world_size)))
+    engine = _shard(model, "FULL_SHARD", {Gate, SometimesInUnit})
+    owners = {p.fqn: u.name for u in engine.units for p in u.params}
+    assert owners["inner.sometimes"] == "inner" and owners["gate.shift"] == "gate"
+    for _ in range(2):  # the second step prefetches along the order recorded in the first
+        for p in engine.sharded_params():
+            p.sharded.grad = None
+        run(model).backward()
+        for p in engine.sharded_params():
+            assert p.sharded.grad is not None, f"{p.fqn} was used on rank 0, so every rank gets its gradient"
+            torch.testing.assert_close(engine.gather_full(p, p.sharded.grad), expected[p.fqn], msg=p.fqn)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_parameter_unused_on_some_ranks_inside_a_unit_gets_the_averaged_gradient(world_size: int) -> None:
+    run_on_ranks(unused_in_units, world_size, True, timeout=60)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_unit_whose_parameters_some_ranks_skip_gets_the_averaged_gradients(world_size: int) -> None:
+    """There the unit's output is its input, which needs no gradient: that rank's backward never reaches the unit
+    on its own, yet it must gather and reduce it with the others."""
+    run_on_ranks(unused_in_units, world_size, False, timeout=60)
+
+
 def on_collective_path(rank: int, world_size: int, check: Callable[..., None], *args: object) -> dict[str, int]:
     """Run ``check`` with the path NCCL takes (flat all-gather + copy, rank-major reduce-scatter) instead of gloo's
-    point-to-point exchanges; gloo runs those collectives on CPU too. Returns how often each of them ran."""
-    calls = {"all_gather_flat": 0, "reduce_scatter_sum": 0}
+    point-to-point exchanges; gloo runs those collectives on CPU too. Returns how often forward and backward called
+    each collective function: the test's own ``gather_full`` calls, which always use the flat all-gather, are not
+    counted."""
+    calls = dict.fromkeys(["all_gather_flat", "reduce_scatter_sum", "all_gather_pieces", "reduce_scatter_exchange",
+                           "all_reduce_sum"], 0)
+    in_gather_full = [False]
 
-    def counting(name: str) -> Callable[..., collectives.Pending]:
+    def counting(name: str) -> Callable[..., collectives.Pending | None]:
         original = getattr(collectives, name)
 
-        def wrapper(*a: Any, **k: Any) -> collectives.Pending:
-            calls[name] += 1
+        def wrapper(*a: Any, **k: Any) -> collectives.Pending | None:
+            if not in_gather_full[0]:
+                calls[name] += 1
             return original(*a, **k)
 
         return wrapper
 
-    with unittest.mock.patch.multiple(
-        collectives,
-        exchanges_point_to_point=lambda backend, device: False,
-        all_gather_flat=counting("all_gather_flat"),
-        reduce_scatter_sum=counting("reduce_scatter_sum"),
+    gather_full = ShardedModule.gather_full
+
+    def uncounted_gather_full(self: ShardedModule, p: ShardedParam, local: Tensor) -> Tensor:
+        in_gather_full[0] = True
+        try:
+            return gather_full(self, p, local)
+        finally:
+            in_gather_full[0] = False
+
+    with (
+        unittest.mock.patch.multiple(
+            collectives, exchanges_point_to_point=lambda backend, device: False, **{n: counting(n) for n in calls}
+        ),
+        unittest.mock.patch.object(ShardedModule, "gather_full", uncounted_gather_full),
     ):
         check(rank, world_size, *args)
     return calls
 
 
+# (check, its arguments, flat all-gathers and reduce-scatters that its forwards and backwards issue)
+NCCL_PATH_CHECKS = [
+    # units: the root (holding lin) and odd; both gathered in forward and kept for backward (the root until its end,
+    # odd as the last unit of forward); both reduced
+    (odd_shapes_roundtrip, ("FULL_SHARD",), 2, 2),
+    (partly_unused, (), 1, 1),  # one unit, the root
+    # two steps of: root, gate and inner gathered in forward, gate again in backward; all three reduced
+    (unused_in_units, (False,), 8, 6),
+]
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_collective_path_nccl_takes_gives_the_same_gradients(world_size: int) -> None:
-    for check, args in ((odd_shapes_roundtrip, ("FULL_SHARD",)), (partly_unused, ())):
-        for calls in run_on_ranks(on_collective_path, world_size, check, *args):
-            assert calls["all_gather_flat"] > 0 and calls["reduce_scatter_sum"] > 0, calls
+    for check, args, gathers, reduce_scatters in NCCL_PATH_CHECKS:
+        for calls in run_on_ranks(on_collective_path, world_size, check, *args, timeout=120):
+            expected = {"all_gather_flat": gathers, "reduce_scatter_sum": reduce_scatters, "all_gather_pieces": 0,
+                        "reduce_scatter_exchange": 0, "all_reduce_sum": 0}
+            assert calls == expected, (check.__name__, calls)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors: raised on every rank, each rank's own message naming what to fix
+# --------------------------------------------------------------------------------------------------
+
+
+class MixedDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+        self.head = nn.Linear(4, 2)
+
+
+def mixed_dtype_unit(rank: int, world_size: int) -> str:
+    try:
+        _shard(MixedDtypes(), "FULL_SHARD", {nn.Sequential})
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_a_unit_mixing_parameter_dtypes_is_refused_on_every_rank() -> None:
+    for message in run_on_ranks(mixed_dtype_unit, 2):
+        assert "'block'" in message and "torch.float32" in message and "torch.float64" in message, message
+
+
+def reshard_under_another_layout(rank: int, world_size: int) -> str:
+    model = Chain()
+    _shard(model, "FULL_SHARD", {nn.Linear})  # mesh (1, 2)
+    try:
+        _shard(model, "NO_SHARD", {nn.Linear})  # mesh (2, 1): the shards do not fit
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_reusing_a_sharded_model_under_another_mesh_layout_is_refused_on_every_rank() -> None:
+    for rank, message in enumerate(run_on_ranks(reshard_under_another_layout, 2)):
+        assert f"(1, 2) on rank {rank}" in message and f"(2, 1) on rank {rank}" in message, message
+
+
+class Stats(nn.Module):
+    """Holds a buffer and no parameters: nothing calls a reset_parameters() that would initialise it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_total", torch.zeros(4))
+
+
+class WithStats(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.stats = Stats()
+
+
+def meta_buffer_left(rank: int, world_size: int) -> str:
+    with torch.device("meta"):
+        model = WithStats()
+    try:
+        _shard(model, "FULL_SHARD")
+    except TypeError as err:
+        return str(err)
+    return ""
+
+
+def test_a_buffer_left_on_the_meta_device_is_named_on_every_rank() -> None:
+    for message in run_on_ranks(meta_buffer_left, 2):
+        assert "'running_total'" in message and "meta device" in message, message

@@ -1,5 +1,8 @@
 """A Hugging Face ``transformers`` GPT-2 (tied LM head, built from a config: no download) trained
-under ``ShardStrategy`` with its blocks named by class name must follow DDP step for step."""
+under ``ShardStrategy`` with its blocks named by class name must follow DDP step for step.
+
+``transformers`` is a test dependency (the ``[test]`` extra), imported unconditionally: without it this file
+fails to collect instead of being skipped."""
 
 from __future__ import annotations
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from lightning_shard.testing import run_on_ranks
 from tests.fits import fit_ddp, fit_shard
+from tests.models import UnevenMLP
 
 CASES = [
     (2, "FULL_SHARD", None),
@@ -26,13 +28,20 @@ def ddp_reference(kind: str, world_size: int) -> list[dict]:
     return run_on_ranks(fit_ddp, world_size, kind)
 
 
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """An ``assert_close`` message: ``prefix`` followed by what it found."""
+    return lambda found: f"{prefix}: {found}"
+
+
 def assert_same_training(ours: list[dict], reference: list[dict]) -> None:
     for rank, (a, b) in enumerate(zip(ours, reference)):
         assert len(a["losses"]) == len(b["losses"]) >= 10
-        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), msg=f"losses, rank {rank}")
+        torch.testing.assert_close(
+            torch.tensor(a["losses"]), torch.tensor(b["losses"]), msg=_prefixed(f"losses, rank {rank}")
+        )
         assert a["params"].keys() == b["params"].keys()
         for name, expected in b["params"].items():
-            torch.testing.assert_close(a["params"][name], expected, msg=f"{name}, rank {rank}")
+            torch.testing.assert_close(a["params"][name], expected, msg=_prefixed(f"{name}, rank {rank}"))
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
@@ -49,3 +58,17 @@ def test_training_changes_parameters() -> None:
     trained = ddp_reference("gpt", 2)
     assert not torch.equal(untrained[0]["params"]["model.wte.weight"], trained[0]["params"]["model.wte.weight"])
     assert trained[0]["losses"][-1] < trained[0]["losses"][0]
+
+
+def uneven_shapes_at(world_size: int) -> dict[str, torch.Size]:
+    """The parameters of the uneven model whose rows ``world_size`` ranks do not divide, with their shapes."""
+    return {n: p.shape for n, p in UnevenMLP().named_parameters() if (p.shape[0] if p.dim() else 1) % world_size}
+
+
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_three_ranks_with_shapes_they_do_not_divide_match_ddp(sharding: str) -> None:
+    uneven = uneven_shapes_at(3)
+    assert len(uneven) == len(list(UnevenMLP().parameters()))  # no parameter splits evenly
+    assert {"head.weight", "head.bias", "scale"} <= {n for n, s in uneven.items() if (s[0] if s else 1) < 3}
+    ours = run_on_ranks(fit_shard, 3, "uneven", sharding_strategy=sharding)
+    assert_same_training(ours, ddp_reference("uneven", 3))
