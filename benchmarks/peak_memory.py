@@ -8,7 +8,7 @@ build a 25M-parameter GPT (d=512, 8 blocks, ctx 64) on the meta device, shard an
 then train 3 AdamW steps on batch 8 (the grad_sync variants: 4 micro-batches of 8 per step). The
 peak is the process's maximum RSS minus its RSS after imports; MALLOC_MMAP_THRESHOLD_ makes freed
 tensors go back to the OS so RSS follows live memory. Gradient-reduction bytes per optimizer step
-are the engine's reduce-scatter input bytes, counted at lightning_shard.collectives.
+are the engine's reduce-scatter input bytes, counted at lightning_shard.engine.collectives.
 """
 
 from __future__ import annotations
@@ -81,11 +81,11 @@ def _worker(rank: int, variant: str, port: int, out: mp.Queue) -> None:
     # Both engines' imports happen before the baseline, so only model state and activations are measured.
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_shard import collectives
-    from lightning_shard.activation_checkpointing import apply_activation_checkpointing
-    from lightning_shard.engine import shard_module
-    from lightning_shard.mesh import build_shard_mesh
-    from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
+    from lightning_shard.engine import collectives
+    from lightning_shard.engine.activation_checkpointing import apply_activation_checkpointing
+    from lightning_shard.engine.mesh import build_shard_mesh
+    from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
+    from lightning_shard.engine.sharded_module import shard_module
 
     baseline = _rss_mb()
     with torch.device("meta"):

@@ -47,7 +47,8 @@ def run_engine(engine: str, out_dir: str) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from peak_memory import BATCH, CTX, GPT, VOCAB, Block
 
-    from lightning_shard import ShardStrategy, collectives
+    from lightning_shard import ShardStrategy
+    from lightning_shard.engine import collectives
 
     torch.set_num_threads(1)
     baseline = _rss_mb()

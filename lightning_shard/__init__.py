@@ -1,31 +1,36 @@
 """lightning_shard: fully sharded data parallel training as a PyTorch Lightning strategy.
 
-Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op"`` and
-``"shard_hybrid"`` with Lightning, so ``Trainer(strategy="shard")`` works.
+Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op"``, ``"shard_hybrid"`` and
+``"shard_offload"`` with Lightning's Trainer and Fabric, so ``Trainer(strategy="shard")`` and
+``Fabric(strategy="shard")`` work. The Fabric strategy is ``lightning_shard.fabric.ShardStrategy``.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_shard.checkpoint_format import CheckpointError
-from lightning_shard.checkpoint_load import LoadResult, load_safetensors_into
-from lightning_shard.consolidate import CheckpointSummary, consolidate, inspect
-from lightning_shard.estimate import MemoryEstimate, estimate_memory
-from lightning_shard.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
-from lightning_shard.mixed_precision import MixedPrecision
-from lightning_shard.monitor import ShardMonitor
-from lightning_shard.policies import (
+from lightning_shard.checkpoint.consolidate import CheckpointSummary, consolidate, inspect
+from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.load import LoadResult, load_safetensors_into
+from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
+from lightning_shard.engine.grad_scaler import ShardedGradScaler
+from lightning_shard.engine.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
+from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.policies import (
     CallableWrapPolicy,
     GradSync,
     ModuleClassWrapPolicy,
     ShardingStrategy,
     SizeWrapPolicy,
 )
-from lightning_shard.precision import ShardedGradScaler, ShardPrecision
-from lightning_shard.strategy import ShardStrategy
+from lightning_shard.fabric import ShardStrategy as _FabricShardStrategy
+from lightning_shard.monitor import ShardMonitor
+from lightning_shard.trainer.precision import ShardPrecision
+from lightning_shard.trainer.strategy import ShardStrategy
 
 __version__ = "0.1.0"
 
 ShardStrategy.register_strategies(StrategyRegistry)
+_FabricShardStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "CallableWrapPolicy",

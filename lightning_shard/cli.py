@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_shard.checkpoint_format import CheckpointError
+from lightning_shard.checkpoint.format import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return _estimate(args)
-    from lightning_shard.consolidate import consolidate, inspect
+    from lightning_shard.checkpoint.consolidate import consolidate, inspect
 
     try:
         if args.command == "consolidate":
@@ -55,7 +55,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from lightning_shard.estimate import estimate_memory
+    from lightning_shard.engine.estimate import estimate_memory
 
     module_name, colon, attr = args.factory.partition(":")
     try:

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_shard import collectives
+from lightning_shard.engine import collectives
 
 
 class ShardMonitor(L.Callback):

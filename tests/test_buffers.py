@@ -2,7 +2,7 @@
 
 Lightning's ``DDPStrategy`` (``broadcast_buffers``, in torch 2.13 ``forward_sync_buffers``, on by default)
 overwrites every rank's buffers with rank 0's at the start of a forward that follows a forward with gradients
-enabled outside ``no_sync()`` (see [Note: buffers follow DDP] in ``lightning_shard/engine.py``). The Lightning
+enabled outside ``no_sync()`` (see [Note: buffers follow DDP] in ``lightning_shard/engine/buffers.py``). The Lightning
 tests train the same BatchNorm model on the same per-rank data under both strategies and compare, rank by rank,
 every buffer after every training batch and every validation output. The engine tests count the broadcasts
 and check gradients against ``DistributedDataParallel`` itself. Checkpoints are checked against the run they
@@ -28,10 +28,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_shard import MixedPrecision, ShardStrategy, collectives
-from lightning_shard.engine import ShardedModule, shard_module
-from lightning_shard.mesh import build_shard_mesh
-from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard import MixedPrecision, ShardStrategy
+from lightning_shard.engine import collectives
+from lightning_shard.engine.mesh import build_shard_mesh
+from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard.engine.sharded_module import ShardedModule, shard_module
 from lightning_shard.testing import run_on_ranks
 
 WORLD_SIZE = 2
@@ -508,7 +509,7 @@ def test_resume_on_every_rank_equals_the_uninterrupted_run(interrupted: dict[str
 
 def test_checkpoints_hold_rank_0s_buffers(interrupted: dict[str, Any]) -> None:
     """DDP checkpoints hold rank 0's module state; so do both layouts here (read back through safetensors)."""
-    from lightning_shard.checkpoint_format import iter_index_tensors, read_index, read_rows
+    from lightning_shard.checkpoint.format import iter_index_tensors, read_index, read_rows
 
     for layout, run in interrupted["runs"].items():
         directory = interrupted["root"] / layout / "epoch=0.ckpt"

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_shard import consolidate, inspect
-from lightning_shard.checkpoint_format import INDEX_FILE
+from lightning_shard.checkpoint.format import INDEX_FILE
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
 from tests.checkpoint_fits import fit, global_losses
 from tests.fits import trainer_for
@@ -178,7 +178,7 @@ def test_shape_mismatch_names_the_keys(tmp_path: Path, saved: dict) -> None:
 
 def failing_save(rank: int, world_size: int, ckpt_dir: str) -> str:
     """Save once, then make rank 1 fail while writing its shard of a second save to the same path."""
-    from lightning_shard import checkpoint_format
+    from lightning_shard.checkpoint import format as checkpoint_format
 
     result = fit(rank, world_size, ckpt_dir, 1)
     del result
@@ -378,7 +378,8 @@ def save_after(rank: int, world_size: int, ckpt_dir: str, breakage: str) -> str:
     optimizer option held as a tensor."""
     import lightning as L
 
-    from lightning_shard import ShardStrategy, checkpoint_save
+    from lightning_shard import ShardStrategy
+    from lightning_shard.checkpoint import save as checkpoint_save
     from tests.models import LitModel, loader
 
     L.seed_everything(1)

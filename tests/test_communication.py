@@ -1,5 +1,5 @@
 """The communication pattern of each sharding strategy during one training step, counted where the engine issues
-every collective (``lightning_shard.collectives``), against closed-form expectations from the parameter shapes.
+every collective (``lightning_shard.engine.collectives``), against closed-form expectations from the parameter shapes.
 
 The model is a chain of ``nn.Linear`` units whose row counts do not divide by the shard size, so padding shows; the
 root holds no parameters. The step counted is the second one: the first records the forward order that the
@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_shard import collectives
-from lightning_shard.engine import ShardedModule, shard_module
-from lightning_shard.mesh import build_shard_mesh
-from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard.engine import collectives
+from lightning_shard.engine.mesh import build_shard_mesh
+from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard.engine.sharded_module import ShardedModule, shard_module
+from lightning_shard.engine.unit import UnitState
 from lightning_shard.testing import run_on_ranks
-from lightning_shard.unit import UnitState
 
 SHAPES = [(3, 4), (4, 5), (5, 5), (5, 3)]  # (in, out) of each Linear: rows that divide by 2 and rows that do not
 FLAG_BYTES = 4  # each rank's part of a gradient reduction ends with one fp32 "was used" flag per trainable parameter

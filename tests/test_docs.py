@@ -7,6 +7,7 @@ next tokens) for ``build_gpt``). ``Trainer.fit``/``validate``/``test``/``predict
 blocks that build a Trainer and call ``fit`` run quickly in one process; the Trainer and strategy
 construction, and every other line, run for real. A ``Fabric`` runs for real too, in this one process:
 it is built with ``devices=1`` (the only change), so a Fabric block trains, saves and loads at world size 1.
+A block that initialises the process group itself finds the environment ``torchrun`` would set for one rank.
 
 Every YAML block is a LightningCLI config; it is built with ``LightningCLI(run=False)`` and the test model, so the
 Trainer and the strategy it names are really constructed. A block that names a GPU accelerator is built with
@@ -48,6 +49,14 @@ class _Data(L.LightningDataModule):
         return loader("gpt")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class _OneProcessFabric(L.Fabric):
     """``L.Fabric`` as a doc block builds it, with ``devices=1`` so that it runs inside the test process."""
 
@@ -63,6 +72,11 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     for name in ("fit", "validate", "test", "predict"):
         monkeypatch.setattr(L.Trainer, name, lambda self, *a, _n=name, **k: calls.append(_n))
     monkeypatch.chdir(tmp_path)
+    # What torchrun sets, for a block that calls torch.distributed.init_process_group() itself: one rank.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
     lightning = type(L)("lightning")  # the block's `import lightning as L` must see the one-process Fabric
     lightning.__dict__.update(L.__dict__ | {"Fabric": _OneProcessFabric})
     monkeypatch.setitem(__import__("sys").modules, "lightning", lightning)

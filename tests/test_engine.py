@@ -16,13 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_shard import collectives
-from lightning_shard.engine import ShardedModule, shard_module
-from lightning_shard.mesh import build_shard_mesh
-from lightning_shard.param_shard import ShardedParam
-from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard.engine import collectives
+from lightning_shard.engine.mesh import build_shard_mesh
+from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard.engine.sharded_module import ShardedModule, shard_module
+from lightning_shard.engine.unit import UnitState
 from lightning_shard.testing import run_on_ranks
-from lightning_shard.unit import UnitState
 
 
 class Odd(nn.Module):
@@ -392,19 +392,6 @@ def test_a_parameter_used_on_one_rank_only_gets_the_averaged_gradient_everywhere
     run_on_ranks(partly_unused, world_size)
 
 
-class SometimesInUnit(nn.Module):
-    """A unit (not the root) with one parameter that only some ranks use."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.always = nn.Linear(4, 4)
-        self.sometimes = nn.Parameter(torch.randn(3, 4))
-
-    def forward(self, x: Tensor, use_sometimes: bool) -> Tensor:
-        out = self.always(x)
-        return out + (x @ self.sometimes.t()).sum() if use_sometimes else out
-
-
 class Gate(nn.Module):
     """A unit whose only parameter some ranks skip: there its output is its input, which needs no gradient."""
 
@@ -420,7 +407,7 @@ class UnusedInUnits(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.gate = Gate()
-        self.inner = SometimesInUnit()
+        self.inner = UsedOnRankZeroOnly()  # a unit (not the root) with a parameter only some ranks use
         self.out = nn.Linear(4, 2)  # the root's own parameters
 
     def forward(self, x: Tensor, use_gate: bool, use_sometimes: bool) -> Tensor:
@@ -440,7 +427,7 @@ def unused_in_units(rank: int, world_size: int, gate_everywhere: bool) -> None:
     local = torch.autograd.grad(run(reference), list(reference.parameters()), allow_unused=True)
     local = [g if g is not None else torch.zeros_like(p) for g, p in zip(local, reference.parameters())]
     expected = dict(zip([n for n, _ in reference.named_parameters()], _ddp_average(local, world_size)))
-    engine = _shard(model, "FULL_SHARD", {Gate, SometimesInUnit})
+    engine = _shard(model, "FULL_SHARD", {Gate, UsedOnRankZeroOnly})
     owners = {p.fqn: u.name for u in engine.units for p in u.params}
     assert owners["inner.sometimes"] == "inner" and owners["gate.shift"] == "gate"
     for _ in range(2):  # the second step prefetches along the order recorded in the first

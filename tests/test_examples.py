@@ -58,3 +58,11 @@ def test_adapter_finetuning_from_a_local_model_file(tmp_path: Path) -> None:
     assert "trained 2,048 of" in done.stdout
     new_keys = ast.literal_eval(done.stdout.split("not in the file (new): ")[1].splitlines()[0])
     assert set(new_keys) == {f"model.transformer.h.{i}.attn.c_attn.{m}" for i in range(2) for m in "AB"}
+
+
+def test_fabric_example_trains_saves_and_resumes_on_another_process_count(tmp_path: Path) -> None:
+    script = "examples/fabric_train_gpt.py"
+    first = _run(script, "--devices", "2", "--steps", "3", "--out", str(tmp_path))
+    assert "starting at step 0" in first.stdout and "step 3:" in first.stdout
+    resumed = _run(script, "--devices", "3", "--steps", "5", "--out", str(tmp_path), "--resume")
+    assert "starting at step 3" in resumed.stdout and "step 5:" in resumed.stdout

@@ -17,11 +17,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from lightning_shard import ShardStrategy
-from lightning_shard.engine import ShardedModule, shard_module
-from lightning_shard.mesh import build_shard_mesh
-from lightning_shard.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard.engine.mesh import build_shard_mesh
+from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
+from lightning_shard.engine.sharded_module import ShardedModule, shard_module
+from lightning_shard.engine.unit import BackwardState, UnitState
 from lightning_shard.testing import run_on_ranks
-from lightning_shard.unit import BackwardState, UnitState
 from tests.fits import full_params_shard, trainer_for
 from tests.models import LitModel, MLPBlock, loader
 from tests.test_parity import assert_same_training

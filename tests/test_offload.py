@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from lightning.pytorch import Trainer
 
 from lightning_shard import MixedPrecision, ShardingStrategy, ShardStrategy
-from lightning_shard.clipping import clip_grad_norm_
-from lightning_shard.engine import shard_module
-from lightning_shard.mesh import build_shard_mesh
-from lightning_shard.policies import resolve_wrap_policy
+from lightning_shard.engine.clipping import clip_grad_norm_
+from lightning_shard.engine.mesh import build_shard_mesh
+from lightning_shard.engine.policies import resolve_wrap_policy
+from lightning_shard.engine.sharded_module import shard_module
 from lightning_shard.testing import run_on_ranks
 from tests.fits import cli_with_strategy_args, trainer_for
 from tests.models import GPTBlock, LitModel, TinyGPT, loader

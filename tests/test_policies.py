@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_shard.mesh import mesh_shape
-from lightning_shard.policies import (
+from lightning_shard.engine.mesh import mesh_shape
+from lightning_shard.engine.policies import (
     CallableWrapPolicy,
     ModuleClassWrapPolicy,
     ShardingStrategy,

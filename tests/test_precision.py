@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shard import MixedPrecision, ShardPrecision, ShardStrategy, collectives
+from lightning_shard import MixedPrecision, ShardPrecision, ShardStrategy
+from lightning_shard.engine import collectives
 from lightning_shard.testing import run_on_ranks
 from tests.fits import cli_with_strategy_args, trainer_for
 from tests.lightning_fits import fit_shard_in_precision, step_gathers, units_of
@@ -223,9 +224,9 @@ class WithBuffer(torch.nn.Module):
 
 
 def mixed_options(rank: int, world_size: int) -> dict[str, Any]:
-    from lightning_shard.engine import shard_module
-    from lightning_shard.mesh import build_shard_mesh
-    from lightning_shard.policies import ShardingStrategy
+    from lightning_shard.engine.mesh import build_shard_mesh
+    from lightning_shard.engine.policies import ShardingStrategy
+    from lightning_shard.engine.sharded_module import shard_module
 
     torch.manual_seed(0)
     model = WithBuffer()

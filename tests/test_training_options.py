@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
-from lightning_shard import ShardingStrategy, ShardStrategy, collectives
-from lightning_shard.activation_checkpointing import apply_activation_checkpointing
-from lightning_shard.engine import shard_module
-from lightning_shard.mesh import build_shard_mesh
-from lightning_shard.policies import resolve_wrap_policy
+from lightning_shard import ShardingStrategy, ShardStrategy
+from lightning_shard.engine import collectives
+from lightning_shard.engine.activation_checkpointing import apply_activation_checkpointing
+from lightning_shard.engine.mesh import build_shard_mesh
+from lightning_shard.engine.policies import resolve_wrap_policy
+from lightning_shard.engine.sharded_module import shard_module
 from lightning_shard.testing import run_on_ranks
 from tests.fits import fit_ddp, fit_shard, full_params_shard, trainer_for
 from tests.models import LitModel, MLPStack, SGDLitModel, block_class, loader

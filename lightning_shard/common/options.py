@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from lightning_shard.checkpoint_save import StateDictType
-from lightning_shard.mixed_precision import MixedPrecision
-from lightning_shard.policies import (
+from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.policies import (
     GradSync,
     ShardingStrategy,
     ShardingStrategyName,

@@ -9,12 +9,12 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_shard.activation_checkpointing import apply_activation_checkpointing
 from lightning_shard.common.options import ShardOptions
-from lightning_shard.engine import _ENGINE_ATTR, ShardedModule, shard_module
-from lightning_shard.mesh import ShardMesh
-from lightning_shard.mixed_precision import MixedPrecision
-from lightning_shard.policies import GradSync
+from lightning_shard.engine.activation_checkpointing import apply_activation_checkpointing
+from lightning_shard.engine.mesh import ShardMesh
+from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.policies import GradSync
+from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
 
 
 def setup_sharded_module(
@@ -33,7 +33,7 @@ def setup_sharded_module(
             "ShardStrategy(cpu_offload=True) has no effect on a CPU device: the shards already live in CPU"
             " memory. It offloads when training on GPUs."
         )
-    sharded_before = getattr(module, _ENGINE_ATTR, None) is not None
+    sharded_before = sharded_module_of(module) is not None
     engine = shard_module(
         module, mesh, options.sharding_strategy, options.wrap_policy, device, mixed_precision, cpu_offload=offloads
     )

@@ -37,7 +37,6 @@ them in one collective (in the reduce dtype) and adds this rank's rows to the sh
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -45,11 +44,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from lightning_shard import collectives
-from lightning_shard.mesh import ShardMesh
-from lightning_shard.param_shard import ShardedParam
+from lightning_shard.engine import collectives
+from lightning_shard.engine.autograd_nodes import ReachedByBackward, RegisterPostBackward
+from lightning_shard.engine.mesh import ShardMesh
+from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.engine.reduction import start_reduction
 
 
 class UnitState(enum.Enum):
@@ -269,132 +270,7 @@ class ShardUnit:
         if not self.trainable:
             return None
         with record_function(f"lightning_shard::reduce_grads({self.name})"):
-            return self._start_reduce(async_op=self.mesh.replicate_group is None)
-
-    def _start_reduce(self, async_op: bool) -> collectives.Pending:
-        mesh = self.mesh
-        n, k = mesh.shard_size, len(self.trainable)
-        grads = [p.unsharded.grad for p in self.trainable]
-        for p in self.trainable:
-            p.unsharded.grad = None
-        if mesh.world_size == 1:  # nothing to average: the gradients become the shards' gradients as they are
-            return collectives.Pending(None, functools.partial(self._keep_local_grads, grads))
-        if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_backend, self.device):
-            return self._start_exchange_reduce(grads)
-        device = self.device
-        present = {g.dtype for g in grads if g is not None}
-        in_dtype = present.pop() if len(present) == 1 else self.reduce_dtype  # _chunk_cat wants one input dtype
-        # Each rank's chunk ends with k "was used" flags, so that after the sum every rank knows which
-        # parameters got a gradient on some rank: those unused everywhere keep grad None, as with DDP.
-        used_here = [g is not None for g in grads]
-        used = torch.tensor(used_here, dtype=in_dtype, device=device)
-        chunked = torch.empty(n, self.grad_sharded_numel + k, dtype=self.reduce_dtype, device=device)
-        pieces = [p.grad_rows(g, in_dtype, device) for p, g in zip(self.trainable, grads)]
-        torch._chunk_cat([*pieces, used.expand(n, k)], dim=0, num_chunks=n, out=chunked)  # casts to reduce dtype
-        del grads, pieces  # the unsharded gradients are copied: free them before communicating
-        # DDP divides by the world size before summing. For a power-of-two world size dividing this rank's
-        # chunk after the sum gives the same bits (the scaling is exact) and touches 1/N of the data.
-        power_of_two = mesh.world_size & (mesh.world_size - 1) == 0
-        if not power_of_two or mesh.shard_group is None:
-            chunked.div_(mesh.world_size)
-        if mesh.shard_group is not None:
-            reduction = collectives.reduce_scatter_sum(
-                chunked.view(-1), mesh.shard_group, async_op, mesh.world_size if power_of_two else 1
-            )
-        else:
-            reduction = collectives.Pending(None, lambda: chunked.view(-1))
-        return collectives.Pending(None, lambda: self._finish_reduce(_result(reduction), used_here))
-
-    def _start_exchange_reduce(self, grads: list[Tensor | None]) -> collectives.Pending:
-        """The reduce-scatter as a point-to-point exchange (see [Note: the fast path per backend]): every rank
-        sends each peer that peer's rows of every gradient, straight from the gradients (no rank-major copy),
-        and sums what it receives for its own rows. The result has the layout ``_start_reduce`` gives."""
-        mesh = self.mesh
-        assert mesh.shard_group is not None
-        n, me, k, total = mesh.shard_size, mesh.shard_rank, len(self.trainable), self.grad_sharded_numel
-        with torch.no_grad():
-            used_here = [g is not None for g in grads]
-            used = torch.tensor(used_here, dtype=self.reduce_dtype, device=self.device)
-            mats = [p.grad_rows(g, self.reduce_dtype, self.device) for p, g in zip(self.trainable, grads)]
-            del grads
-            power_of_two = mesh.world_size & (mesh.world_size - 1) == 0
-            if not power_of_two:  # DDP divides before summing; for a power of two, after is the same bits
-                mats = [m / mesh.world_size for m in mats]
-            # What each peer sends for this rank's rows, one row per peer in the reduction's layout; with more
-            # than two ranks a row for this rank's own part too, so that the rows are summed in rank order.
-            received = torch.empty(n if n > 2 else 1, total + k, dtype=self.reduce_dtype, device=self.device)
-            for p in self.trainable:  # zero the padding, which nobody sends, so that only numbers are summed
-                if p.local_rows < p.rows_per_rank:
-                    received[:, p.grad_offset + p.local_rows * p.row_numel : p.grad_offset + p.padded_shard_numel] = 0
-
-            def row_of(rank: int) -> Tensor:
-                return received[rank if n > 2 else 0]
-
-            def own_piece(row: Tensor, p: ShardedParam) -> Tensor:
-                return row[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel]
-
-            outgoing: list[list[Tensor]] = [[] for _ in range(n)]
-            incoming: list[list[Tensor]] = [[] for _ in range(n)]
-            for q in range(n):
-                if q == me:
-                    continue
-                for p, m in zip(self.trainable, mats):
-                    first, count = p.rows_held_by(q)
-                    if count:
-                        outgoing[q].append(m[first : first + count].view(-1))
-                    if p.local_rows:
-                        incoming[q].append(own_piece(row_of(q), p))
-                outgoing[q].append(used)
-                incoming[q].append(row_of(q)[total:])
-        rank_major_bytes = n * (total + k) * self.reduce_dtype.itemsize  # what a reduce-scatter's input would be
-        exchange = collectives.reduce_scatter_exchange(outgoing, incoming, mesh.shard_group, rank_major_bytes)
-
-        def summed() -> Tensor:
-            exchange.wait()
-            with torch.no_grad():
-                # Two ranks: add this rank's part into the peer's row (a + b == b + a). More: put it in its own
-                # row and sum the rows in rank order, the same order on every rank.
-                target = row_of(me)
-                place = Tensor.add_ if n == 2 else Tensor.copy_
-                for p, m in zip(self.trainable, mats):
-                    if p.local_rows:
-                        first, count = p.rows_held_by(me)
-                        place(own_piece(target, p), m[first : first + count].view(-1))
-                place(target[total:], used)
-                out = target if n == 2 else received.sum(0)
-                return out.div_(mesh.world_size) if power_of_two else out
-
-        return collectives.Pending(None, lambda: self._finish_reduce(summed(), used_here))
-
-    def _keep_local_grads(self, grads: list[Tensor | None]) -> None:
-        """One rank: each gradient becomes its shard's gradient (no copy unless the dtype or device differs);
-        parameters without a gradient keep ``None``."""
-        for p, g in zip(self.trainable, grads):
-            if g is None:
-                continue
-            grad = g.to(device=self.shard_device, dtype=self.dtype).view(p.sharded.shape)
-            if p.sharded.grad is None:
-                p.sharded.grad = grad
-            else:
-                p.sharded.grad.add_(grad)
-
-    def _finish_reduce(self, reduced: Tensor, used_here: list[bool]) -> None:
-        if self.mesh.replicate_group is not None:
-            collectives.all_reduce_sum(reduced, self.mesh.replicate_group)
-        # The summed flags matter only for parameters this rank did not use; when it used them all (the usual
-        # case) they are not read, which on a GPU saves a device synchronisation per unit.
-        used_anywhere = used_here if all(used_here) else (reduced[self.grad_sharded_numel :] > 0).tolist()
-        shard_grads = reduced
-        if self.reduce_dtype != self.dtype or self.offloaded:  # to the shards' dtype and device
-            shard_grads = reduced[: self.grad_sharded_numel].to(device=self.shard_device, dtype=self.dtype)
-        for p, is_used in zip(self.trainable, used_anywhere):
-            if not is_used:
-                continue
-            grad = shard_grads[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel].view(p.sharded.shape)
-            if p.sharded.grad is None:
-                p.sharded.grad = grad
-            else:
-                p.sharded.grad.add_(grad)
+            return start_reduction(self, async_op=self.mesh.replicate_group is None)
 
     def _on_grad_accumulated(self, _param: Tensor) -> None:
         self.expect_backward()
@@ -414,7 +290,7 @@ class ShardUnit:
         self.unshard()
         self.on_forward_started(self)  # prefetch the unit whose forward comes next
         if torch.is_grad_enabled() and self.trainable:
-            args, kwargs = _RegisterPostBackward.wrap_inputs(self, args, kwargs)
+            args, kwargs = RegisterPostBackward.wrap_inputs(self, args, kwargs)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -424,7 +300,7 @@ class ShardUnit:
         output_tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and self.trainable and not output_tensors and not self.is_root:
             # See [Note: a unit some ranks skip].
-            output, output_tensors = _ReachedByBackward.wrap_outputs(self, output)
+            output, output_tensors = ReachedByBackward.wrap_outputs(self, output)
         if torch.is_grad_enabled() and output_tensors:
             self.expect_backward()
             for t in output_tensors:
@@ -509,69 +385,3 @@ def _from_rank0(full: Tensor, device: torch.device) -> Tensor:
 def _wait_now(pending: collectives.Pending | None) -> None:
     if pending is not None:
         pending.wait()
-
-
-def _result(pending: collectives.Pending) -> Tensor:
-    result = pending.wait()
-    assert result is not None
-    return result
-
-
-class _ReachedByBackward(torch.autograd.Function):
-    """Identity on a unit's floating outputs that makes them require grad through one of its trainable weights,
-    which gets no gradient from it.
-
-    [Note: a unit some ranks skip]
-    A rank whose forward uses none of a unit's trainable parameters, on inputs that need no
-    gradient (a branch taken on some ranks only), gets outputs that need no gradient: left alone,
-    its backward would never reach the unit, nor the units after it through their inputs, while
-    the other ranks gather and reduce there. Every rank must issue the same collectives in the
-    same order, so such outputs are routed through this function: the backward reaches the unit
-    where it reaches it on the other ranks, and the unit reduces zeros (and flags) for what this
-    rank did not use. The root is left out: it is gathered for the whole step and reduced at the
-    end of backward on every rank, and its outputs are what the user's code receives.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, anchor: Tensor, *outputs: Tensor) -> tuple[Tensor, ...]:
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        return (None, *grads)
-
-    @staticmethod
-    def wrap_outputs(unit: ShardUnit, output: Any) -> tuple[Any, list[Tensor]]:
-        flat, spec = tree_flatten(output)
-        positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.is_floating_point()]
-        if not positions:
-            return output, []
-        wrapped = _ReachedByBackward.apply(unit.trainable[0].unsharded, *(flat[i] for i in positions))
-        for i, t in zip(positions, wrapped):
-            flat[i] = t
-        return tree_unflatten(flat, spec), list(wrapped)
-
-
-class _RegisterPostBackward(torch.autograd.Function):
-    """Identity on a unit's forward inputs; its backward runs once the unit's gradients are all computed."""
-
-    @staticmethod
-    def forward(ctx: Any, unit: ShardUnit, *inputs: Tensor) -> tuple[Tensor, ...]:
-        ctx.unit = unit
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        ctx.unit.post_backward()
-        return (None, *grads)
-
-    @staticmethod
-    def wrap_inputs(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
-        if not positions:
-            return args, kwargs
-        wrapped = _RegisterPostBackward.apply(unit, *(flat[i] for i in positions))
-        for i, t in zip(positions, wrapped):
-            flat[i] = t
-        return tree_unflatten(flat, spec)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_shard.checkpoint_format import (
+from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     MODEL_PREFIX,
     TRAINER_STATE_JSON,

@@ -3,9 +3,7 @@ engine, and routes Lightning's hooks to it; the sharding itself lives in ``engin
 
 from __future__ import annotations
 
-import atexit
 import logging
-import shutil
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -13,53 +11,47 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.checkpoint_load import (
-    ShardedCheckpointSource,
-    load_model,
-    load_optimizers,
-    load_trainer_state,
-)
-from lightning_shard.checkpoint_save import agree, save_checkpoint_dir
-from lightning_shard.clipping import clip_grad_norm_
-from lightning_shard.common.checkpoint import as_trainer_checkpoint
-from lightning_shard.common.options import ShardOptions, ShardOptionsMixin
+from lightning_shard.checkpoint.save import save_checkpoint_dir
+from lightning_shard.common.options import ShardOptions
+from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
-from lightning_shard.engine import ShardedModule
-from lightning_shard.memory import MemoryReport, memory_report
-from lightning_shard.mesh import ShardMesh, build_shard_mesh, mesh_shape
-from lightning_shard.mixed_precision import MixedPrecision
-from lightning_shard.policies import (
+from lightning_shard.common.strategy_base import ShardStrategyMixin
+from lightning_shard.engine.clipping import clip_grad_norm_
+from lightning_shard.engine.memory import MemoryReport, memory_report
+from lightning_shard.engine.mesh import ShardMesh
+from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.policies import (
     GradSync,
     ShardingStrategy,
     ShardingStrategyName,
     WrapPolicySpec,
 )
-from lightning_shard.precision import ShardPrecision
+from lightning_shard.engine.sharded_module import ShardedModule
+from lightning_shard.trainer.checkpoints import (
+    load_model_state,
+    load_optimizer_states,
+    read_trainer_checkpoint,
+    refuse_custom_checkpoint_io,
+    remove_checkpoint_dir,
+)
+from lightning_shard.trainer.precision import ShardPrecision, as_shard_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -68,7 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
+class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     """Fully sharded data parallel training (ZeRO-3) on ``torch.distributed``: gloo on CPU, NCCL on GPU.
 
     Each rank holds ``1/N`` of every parameter, gradient and optimizer state. The optimizer sees this
@@ -146,31 +138,15 @@ class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
             broadcast_buffers=broadcast_buffers,
             timeout=timeout,
         )
-        self._device_mesh = self.options.device_mesh  # filled in at set-up for HYBRID_SHARD when not given
         self._mesh: ShardMesh | None = None
         self._engine: ShardedModule | None = None
-        self._owns_process_group = False
 
     # Properties #
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     def is_distributed(self) -> bool:
         """Tells the Trainer to give dataloaders a ``DistributedSampler``."""
         return True
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     @override
@@ -182,29 +158,12 @@ class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = _as_shard_precision(plugin)
+        self._precision_plugin = as_shard_precision(plugin)
 
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:
         """The dtypes in effect: ``mixed_precision`` if given, else what the precision plugin implies."""
         return self.options.mixed_precision or self.precision_plugin.mixed_precision_config
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def offloads(self) -> bool:
-        """Whether shards live in CPU memory while the model computes on an accelerator (``cpu_offload``)."""
-        return self.options.cpu_offload and self.root_device.type != "cpu"
-
-    @property
-    def mesh(self) -> ShardMesh:
-        """This rank's place in the ``(replicas, shard_size)`` mesh; available after the processes are set up."""
-        if self._mesh is None:
-            raise RuntimeError("The ShardStrategy mesh exists only after the Trainer has set up the processes.")
-        return self._mesh
 
     @property
     def engine(self) -> ShardedModule:
@@ -226,30 +185,7 @@ class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        if self.options.sharding_strategy is ShardingStrategy.HYBRID_SHARD and self._device_mesh is None:
-            self._device_mesh = (self.num_nodes, self.num_processes)  # shard inside a node, replicate across nodes
-        # Validate the mesh on every rank before any collective, so a bad value cannot hang the others.
-        mesh_shape(self.options.sharding_strategy, self.num_nodes * self.num_processes, self._device_mesh)
-        self._process_group_backend = self._get_process_group_backend()
-        assert self.cluster_environment is not None
-        self._owns_process_group = not _distributed_is_initialized()
-        kwargs: dict[str, Any] = {"timeout": self.options.timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if self._owns_process_group:  # kept for calls after fit (sampling); destroyed when the program ends
-            atexit.unregister(_destroy_process_group_at_exit)
-            atexit.register(_destroy_process_group_at_exit)
-        self._mesh = build_shard_mesh(self.options.sharding_strategy, self._device_mesh, self._process_group_backend)
-
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self._start_mesh()
 
     # Model #
 
@@ -357,23 +293,6 @@ class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
     # Collectives #
 
     @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
@@ -411,7 +330,7 @@ class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
                 f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: checkpoints are"
                 f" directories of safetensors files written by every rank, not through a CheckpointIO plugin."
             )
-        self._refuse_custom_checkpoint_io()
+        refuse_custom_checkpoint_io(self._checkpoint_io)
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(filepath)))
         layout = self.options.state_dict_type
@@ -421,58 +340,23 @@ class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Read the trainer state and index of a checkpoint directory (model and optimizer tensors are read into the
         shards later, by ``load_model_state_dict`` and ``load_optimizer_state_dict``). Never unpickles."""
-        directory = Path(self.broadcast(str(checkpoint_path)))
-        state, index = agree(lambda: load_trainer_state(directory))
-        state = as_trainer_checkpoint(state)  # also reads what Fabric wrote
-        source = ShardedCheckpointSource(directory, index)
-        state["state_dict"] = source
-        if index.get("optimizers"):
-            state["optimizer_states"] = [source] * len(index["optimizers"])
-        return state
+        return read_trainer_checkpoint(Path(self.broadcast(str(checkpoint_path))))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        source = checkpoint["state_dict"]
-        if not isinstance(source, ShardedCheckpointSource):
-            raise TypeError(
-                "ShardStrategy loads model state from its checkpoint directories; to load a plain model file use"
-                " lightning_shard.load_safetensors_into()."
-            )
-        result = load_model(self.engine, self.lightning_module, source.directory, source.index, strict=strict)
-        if result.missing_keys or result.unexpected_keys:
-            rank_zero_warn(
-                f"Loaded {source.directory} with strict=False: missing keys {result.missing_keys},"
-                f" unexpected keys {result.unexpected_keys}."
-            )
+        load_model_state(self.engine, self.lightning_module, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        sources = checkpoint["optimizer_states"]
-        if sources:
-            assert self.lightning_module is not None
-            strict = self.lightning_module.strict_loading
-            load_optimizers(self.engine, self.optimizers, sources[0].directory, sources[0].index, strict=strict)
+        assert self.lightning_module is not None
+        load_optimizer_states(self.engine, self.optimizers, checkpoint, self.lightning_module.strict_loading)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint directory (ModelCheckpoint's ``save_top_k``)."""
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
-
-    def _refuse_custom_checkpoint_io(self) -> None:
-        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-        io = self._checkpoint_io
-        if io is not None and type(io) is not TorchCheckpointIO:
-            raise TypeError(
-                f"ShardStrategy writes checkpoints itself (safetensors and JSON from every rank); the CheckpointIO"
-                f" plugin {type(io).__name__} would not be used. Remove it from the Trainer's plugins."
-            )
+            remove_checkpoint_dir(Path(filepath))
 
     # Reporting #
 
@@ -504,46 +388,4 @@ class ShardStrategy(ShardOptionsMixin, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if not dist.is_available():
-            return
-        entries: dict[str, tuple[str, dict[str, Any]]] = {
-            "shard": ("Fully sharded data parallel (ZeRO-3) on CPU or GPU", {"sharding_strategy": "FULL_SHARD"}),
-            "shard_grad_op": ("Sharded gradients and optimizer state (ZeRO-2)", {"sharding_strategy": "SHARD_GRAD_OP"}),
-            "shard_hybrid": ("Sharded within groups, replicated across them", {"sharding_strategy": "HYBRID_SHARD"}),
-            "shard_offload": (
-                "Fully sharded, with shards and optimizer state in CPU memory",
-                {"sharding_strategy": "FULL_SHARD", "cpu_offload": True},
-            ),
-        }
-        for name, (description, init_kwargs) in entries.items():
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(name, cls, description=description, **init_kwargs)
-            cls._registered_strategies.append(name)
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Destroy the default process group a ``ShardStrategy`` created, when the program ends. It outlives the
-    ``Trainer`` (as with Lightning's own strategies) so that the model can still run forward after ``fit``."""
-    if _distributed_is_initialized():
-        dist.destroy_process_group()
-
-
-def _as_shard_precision(plugin: Precision | None) -> ShardPrecision | None:
-    """Accept a ShardPrecision, or translate the plugin Lightning picked from ``Trainer(precision=...)``."""
-    if plugin is None or isinstance(plugin, ShardPrecision):
-        return plugin
-    from lightning.pytorch.plugins.precision import HalfPrecision
-    from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
-
-    if isinstance(plugin, LightningMixedPrecision):
-        return ShardPrecision(plugin.precision, device=plugin.device)  # type: ignore[arg-type]
-    if isinstance(plugin, HalfPrecision):
-        return ShardPrecision(plugin.precision)  # type: ignore[arg-type]
-    if type(plugin) is Precision:
-        return ShardPrecision("32-true")
-    raise TypeError(
-        f"ShardStrategy works with the ShardPrecision plugin; found {type(plugin).__name__}. Pass one of the"
-        f" Trainer precisions '32-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true', or"
-        f" plugins=[ShardPrecision(...)]."
-    )
+        cls._registered_strategies.extend(register_shard_strategies(strategy_registry, cls))

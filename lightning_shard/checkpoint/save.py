@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint_format import (
+from lightning_shard.checkpoint.agreement import agree, broadcast_str, gather_records
+from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
@@ -39,9 +40,9 @@ from lightning_shard.checkpoint_format import (
     shard_file_name,
     to_json_tree,
 )
-from lightning_shard.engine import ShardedModule
-from lightning_shard.param_shard import ShardedParam
-from lightning_shard.policies import parse_choice
+from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.engine.policies import parse_choice
+from lightning_shard.engine.sharded_module import ShardedModule
 
 T = TypeVar("T")
 
@@ -70,13 +71,13 @@ def save_checkpoint_dir(
     checkpoint = dict(checkpoint)
     checkpoint.pop("state_dict", None)
     with_optimizers = checkpoint.pop("optimizer_states", None) is not None
-    tmp = Path(_broadcast(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")))
+    tmp = Path(broadcast_str(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")))
     tensors: dict[str, Tensor] = {}
     trainer_state = agree(lambda: to_json_tree(checkpoint, tensors))  # unstorable values fail on every rank
     writer = _ShardedWriter if layout is StateDictType.SHARDED else _FullWriter
     plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp)
     try:
-        records = _gathered(agree(plan.write_local))
+        records = gather_records(agree(plan.write_local))
         # Rank 0 finishes the directory; agree() so that a failure there is raised on every rank, not a hang.
         agree(lambda: _finish(tmp, path, plan.index(records, layout), trainer_state, tensors) if rank == 0 else None)
     except BaseException:
@@ -85,37 +86,6 @@ def save_checkpoint_dir(
         raise
 
 
-def agree(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it raised on any rank, raise on all of them (naming the ranks and errors).
-
-    The ranks exchange one small record each, so a failure on one rank never leaves the others waiting
-    in a collective.
-    """
-    error: str | None = None
-    result: Any = None
-    try:
-        result = fn()
-    except CheckpointError as err:
-        error = str(err)
-    except Exception as err:  # noqa: BLE001 - reported to every rank below
-        error = f"{type(err).__name__}: {err}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    else:
-        errors = [error]
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
-    return result
-
-
-def _broadcast(value: str) -> str:
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _finish(tmp: Path, path: Path, index: dict[str, Any], trainer_state: Any, tensors: dict[str, Tensor]) -> None:
@@ -313,14 +283,6 @@ class _FullWriter(_Plan):
             index["tensors"][key]["pieces"].append(piece)
         return index
 
-
-def _gathered(records: Any) -> list[Any]:
-    """``agree`` returns this rank's record; the index needs every rank's: gather them (collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [records]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, records)
-    return out
 
 
 def _entry(shape: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
-from lightning_shard.policies import WrapPolicy, select_unit_modules
+from lightning_shard.engine.policies import WrapPolicy, select_unit_modules
 
 _MARK = "_lightning_shard_checkpointed"
 

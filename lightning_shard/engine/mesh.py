@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_shard.policies import ShardingStrategy
+from lightning_shard.engine.policies import ShardingStrategy
 
 
 @dataclass

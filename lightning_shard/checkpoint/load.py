@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint_format import (
+from lightning_shard.checkpoint.agreement import agree
+from lightning_shard.checkpoint.format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     TRAINER_STATE_JSON,
@@ -29,8 +30,7 @@ from lightning_shard.checkpoint_format import (
     read_index,
     read_rows,
 )
-from lightning_shard.checkpoint_save import agree
-from lightning_shard.engine import _ENGINE_ATTR, ShardedModule
+from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def load_safetensors_into(
     Collective: every rank must call it, e.g. in ``on_fit_start``."""
     from safetensors import safe_open
 
-    engine = getattr(module, _ENGINE_ATTR, None)
+    engine = sharded_module_of(module)
     if engine is None:
         raise CheckpointError(
             "load_safetensors_into() needs the model ShardStrategy has sharded (the LightningModule after the"
@@ -208,7 +208,7 @@ def load_safetensors_into(
             dtypes = {k: str(f.get_slice(k).get_dtype()) for k in keys}
     except Exception as err:  # noqa: BLE001 - a damaged or missing file: name it
         raise CheckpointError(f"Cannot read the safetensors file {path}: {err}") from None
-    from lightning_shard.checkpoint_format import dtype_name
+    from lightning_shard.checkpoint.format import dtype_name
 
     index: dict[str, Any] = {"tensors": {}}
     for key in keys:

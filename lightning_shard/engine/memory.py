@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shard.engine import ShardedModule
+from lightning_shard.engine.sharded_module import ShardedModule
 
 
 @dataclass(frozen=True)

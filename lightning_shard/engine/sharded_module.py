@@ -1,12 +1,8 @@
-"""Apply sharding to a module tree: pick the units, give every parameter to exactly one of them,
-initialise the shards, and own the per-iteration state that spans units.
+"""Apply sharding to a module tree and own the per-iteration state that spans units.
 
-[Note: which unit owns a parameter]
-A parameter belongs to the innermost unit whose subtree holds it. A parameter held in two
-subtrees (tied weights: an embedding and the LM head; a module shared by two blocks) belongs to
-the lowest unit that contains both: it is stored once, gathered whenever that unit is, and its
-gradient from every use accumulates on one unsharded face before the single reduction. That
-unit's forward encloses every use, so the weight is gathered wherever it is needed.
+``shard_module`` takes the units ``planning`` chose (see [Note: which unit owns a parameter] there),
+initialises their shards, syncs the buffers (``buffers``) and registers the hooks; ``ShardedModule``
+is the engine of one model from then on.
 
 [Note: the root unit]
 The root is the module given to ``shard_module`` (under the strategy, the LightningModule). It is
@@ -34,8 +30,7 @@ backward uses it without a second all-gather. At most one unit beyond the runnin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,12 +38,14 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_shard import collectives
-from lightning_shard.mesh import ShardMesh
-from lightning_shard.mixed_precision import MixedPrecision, parse_dtype
-from lightning_shard.param_shard import ShardedParam
-from lightning_shard.policies import ShardingStrategy, WrapPolicy, select_unit_modules
-from lightning_shard.unit import BackwardState, ShardUnit, UnitState
+from lightning_shard.engine import collectives
+from lightning_shard.engine.buffers import BufferSync, materialize_and_sync_buffers
+from lightning_shard.engine.mesh import ShardMesh
+from lightning_shard.engine.mixed_precision import MixedPrecision, parse_dtype
+from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.engine.planning import check_meta_modules_resettable, plan_units
+from lightning_shard.engine.policies import ShardingStrategy, WrapPolicy
+from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
 
 _ENGINE_ATTR = "_lightning_shard_engine"
 
@@ -197,6 +194,11 @@ class ShardedModule:
         return out[: p.rows].reshape(p.global_shape).to(local.device)
 
 
+def sharded_module_of(module: nn.Module) -> ShardedModule | None:
+    """The engine that sharded ``module`` (as the root), or ``None`` if it was not sharded."""
+    return getattr(module, _ENGINE_ATTR, None)
+
+
 def shard_module(
     root: nn.Module,
     mesh: ShardMesh,
@@ -240,7 +242,7 @@ def shard_module(
             for m, _ in sp.owners:
                 if full[id(sp)].is_meta and all(m is not x for x in meta_modules[unit_id]):
                     meta_modules[unit_id].append(m)
-    _check_meta_modules_resettable(root, meta_modules)
+    check_meta_modules_resettable(root, meta_modules)
 
     reshard = strategy.reshards_after_forward
     units: list[ShardUnit] = []
@@ -258,218 +260,10 @@ def shard_module(
             unit.init_from_full(full)
         units.append(unit)
     full.clear()
-    _materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
+    materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
     engine = ShardedModule(root, units, mesh, strategy)
     _register_hooks(engine, mixed_precision)
     return engine
-
-
-def plan_units(
-    root: nn.Module, policy: WrapPolicy | None
-) -> list[tuple[str, nn.Module, list[tuple[_ParamUse, nn.Parameter]]]]:
-    """The units in module order (root first), each with the parameters it owns.
-
-    See [Note: which unit owns a parameter].
-    """
-    unit_modules = [("", root), *select_unit_modules(root, policy)]
-    unit_ids = {id(m) for _, m in unit_modules}
-    uses, params_by_id = _collect_parameters(root, unit_ids)
-    parent_unit = _unit_parents(root, unit_ids)
-    owned: dict[int, list[tuple[_ParamUse, nn.Parameter]]] = {id(m): [] for _, m in unit_modules}
-    for pid, use in uses.items():
-        owned[_lowest_common_unit(sorted(use.unit_ids), parent_unit)].append((use, params_by_id[pid]))
-    return [(name, module, owned[id(module)]) for name, module in unit_modules]
-
-
-# --------------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def _collect_parameters(root: nn.Module, unit_ids: set[int]) -> tuple[dict[int, _ParamUse], dict[int, nn.Parameter]]:
-    """For every parameter: the units whose subtrees hold it and each (module, attribute, name) holding it.
-
-    Walks without de-duplication, so a module or parameter reachable by two paths is seen in both
-    units' subtrees (see [Note: which unit owns a parameter]).
-    """
-    uses: dict[int, _ParamUse] = {}
-    params: dict[int, nn.Parameter] = {}
-    # An explicit stack, not a recursive closure: a closure that refers to itself is a reference cycle, which
-    # would keep ``params`` (every original full-size parameter) alive until Python's cycle collector runs.
-    stack: list[tuple[nn.Module, str, int, tuple[int, ...]]] = [(root, "", id(root), (id(root),))]
-    while stack:
-        module, prefix, unit_id, path = stack.pop()
-        if id(module) in unit_ids:
-            unit_id = id(module)
-        for name, p in module._parameters.items():
-            if p is None:
-                continue
-            params[id(p)] = p
-            use = uses.setdefault(id(p), _ParamUse())
-            use.unit_ids.add(unit_id)
-            if prefix + name not in use.fqns:
-                use.fqns.append(prefix + name)
-            if not any(m is module and n == name for m, n in use.owners):
-                use.owners.append((module, name))
-        children = [(n, c) for n, c in module._modules.items() if c is not None and id(c) not in path]
-        for child_name, child in reversed(children):  # popped in registration order, as a recursive walk would
-            stack.append((child, f"{prefix}{child_name}.", unit_id, (*path, id(child))))
-    return uses, params
-
-
-@dataclass
-class _ParamUse:
-    fqns: list[str] = field(default_factory=list)
-    unit_ids: set[int] = field(default_factory=set)
-    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
-
-
-def _unit_parents(root: nn.Module, unit_ids: set[int]) -> dict[int, int | None]:
-    """Parent unit of each unit (by module id); the root's is None."""
-    parents: dict[int, int | None] = {id(root): None}
-
-    def visit(module: nn.Module, enclosing: int) -> None:
-        for child in module.children():
-            if id(child) in unit_ids and id(child) not in parents:
-                parents[id(child)] = enclosing
-                visit(child, id(child))
-            else:
-                visit(child, enclosing)
-
-    visit(root, id(root))
-    return parents
-
-
-def _lowest_common_unit(unit_ids: list[int], parents: dict[int, int | None]) -> int:
-    def chain(u: int) -> list[int]:
-        out = [u]
-        while (p := parents.get(out[-1])) is not None:
-            out.append(p)
-        return out
-
-    common = chain(unit_ids[0])
-    for u in unit_ids[1:]:
-        ancestors = set(chain(u))
-        common = [c for c in common if c in ancestors]
-    return common[0]
-
-
-def _check_meta_modules_resettable(root: nn.Module, meta_modules: dict[int, list[nn.Module]]) -> None:
-    names = {id(m): n or "<root>" for n, m in root.named_modules()}
-    missing = [
-        f"{names.get(id(m), '?')} ({type(m).__name__})"
-        for mods in meta_modules.values()
-        for m in mods
-        if not callable(getattr(m, "reset_parameters", None))
-    ]
-    if missing:
-        raise TypeError(
-            "These modules have parameters on the meta device but no reset_parameters() method: "
-            + ", ".join(missing)
-            + ". ShardStrategy materialises a meta-device model one unit at a time and initialises it by calling"
-            " reset_parameters() on each module that owns parameters: define it on these modules."
-        )
-
-
-def _materialize_and_sync_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    """Move buffers to ``device`` (floating ones to ``dtype``), and make every rank hold rank 0's values.
-
-    A buffer registered in several modules (the same tensor) stays one tensor: it is moved once and every module
-    gets the moved tensor.
-    """
-    moved: dict[int, Tensor] = {}  # id of the original buffer -> the tensor every module holding it gets
-    for module in root.modules():
-        for name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            if id(buf) in moved:
-                module._buffers[name] = moved[id(buf)]
-                continue
-            if buf.is_meta:
-                raise TypeError(
-                    f"Buffer {name!r} of {type(module).__name__} is still on the meta device after"
-                    f" reset_parameters(); initialise it there, or create it on a real device."
-                )
-            target = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
-            new = buf.to(device=device, dtype=target) if buf.device != device or buf.dtype != target else buf
-            moved[id(buf)] = module._buffers[name] = new
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        _broadcast_from_rank0_coalesced(_unique_buffers(root.modules()))
-
-
-class BufferSync:
-    """When the model's buffers are overwritten with global rank 0's during training, as DDP does.
-
-    [Note: buffers follow DDP]
-    Buffers are not sharded: every rank holds all of them. DDP (``broadcast_buffers``, since torch
-    2.13 ``forward_sync_buffers``, on by default) broadcasts rank 0's buffers at the start of its first
-    forward and of every forward that follows one run with gradients enabled outside ``no_sync()``,
-    whether or not the new one has gradients. So during training each rank's BatchNorm statistics are
-    rank 0's from the step before, updated with this rank's own batch; the first validation forward
-    after a training step broadcasts, so every rank validates with rank 0's statistics; the forward
-    after an evaluation forward, or after a micro-batch whose gradients are not synchronised,
-    broadcasts nothing. Checkpoints hold rank 0's buffers, which every rank loads. The engine makes
-    the same decision at every outermost forward of the root: one broadcast per device of all buffers'
-    bytes packed together (float statistics and the int64 ``num_batches_tracked`` alike, a buffer held
-    by several modules once), and nothing when the model has no buffers or runs on one rank.
-    ``accumulating`` stands for ``no_sync()``: the front end sets it for micro-batches that do not end
-    an accumulation window, whether or not it holds their gradients back. Set-up broadcasts too, as
-    DDP's does (``shard_module``, or the strategy when it is given a model sharded before).
-    """
-
-    def __init__(self, root: nn.Module, world_size: int) -> None:
-        self.enabled = True  # ShardStrategy(broadcast_buffers=...)
-        self.accumulating = False  # inside a micro-batch that does not end an accumulation window
-        self._due = True  # whether the next outermost root forward starts with a broadcast
-        self._world_size = world_size
-        self._owners = [m for m in root.modules() if any(b is not None for b in m._buffers.values())]
-
-    def before_root_forward(self) -> None:
-        """Called as the outermost root forward starts: broadcast if due; decide whether the next one is due."""
-        due, self._due = self._due, torch.is_grad_enabled() and not self.accumulating
-        if due and self.enabled:
-            self.broadcast()
-
-    def broadcast(self) -> None:
-        """Overwrite every buffer with global rank 0's (collective; nothing with one rank or no buffers)."""
-        if self._owners and self._world_size > 1:
-            _broadcast_from_rank0_coalesced(_unique_buffers(self._owners))
-
-
-def _unique_buffers(modules: Iterable[nn.Module]) -> list[Tensor]:
-    """The buffers of ``modules`` (their own, not their children's), each tensor once."""
-    seen: dict[int, Tensor] = {}
-    for module in modules:
-        for buf in module._buffers.values():
-            if buf is not None:
-                seen.setdefault(id(buf), buf)
-    return list(seen.values())
-
-
-def _broadcast_from_rank0_coalesced(buffers: list[Tensor]) -> None:
-    """Overwrite ``buffers`` on every rank with global rank 0's values: one broadcast per device, of every buffer's
-    bytes packed into one flat ``uint8`` tensor, whatever their dtypes."""
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for buf in buffers:
-        by_device.setdefault(buf.device, []).append(buf)
-    is_source = torch.distributed.get_rank() == 0
-    with torch.no_grad():
-        for device, bufs in by_device.items():
-            if is_source:
-                flat = torch.cat([buf.reshape(-1).view(torch.uint8) for buf in bufs])
-            else:
-                flat = torch.empty(sum(buf.nbytes for buf in bufs), dtype=torch.uint8, device=device)
-            collectives.broadcast_from_rank0(flat)
-            if is_source:
-                continue
-            # As DDP does: a graph that saved a buffer for backward (BatchNorm in eval mode) before the
-            # broadcast does not fail its version check in backward.
-            with torch.autograd._unsafe_preserve_version_counter(tuple(bufs)):
-                for buf, piece in zip(bufs, flat.split([buf.nbytes for buf in bufs])):
-                    if buf.is_contiguous():
-                        buf.view(-1).view(torch.uint8).copy_(piece)
-                    else:  # a strided view: reinterpret an aligned copy of its bytes
-                        buf.copy_(piece.clone().view(buf.dtype).view(buf.shape))
 
 
 def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | None) -> None:

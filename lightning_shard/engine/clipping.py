@@ -8,8 +8,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from lightning_shard import collectives
-from lightning_shard.mesh import ShardMesh
+from lightning_shard.engine import collectives
+from lightning_shard.engine.mesh import ShardMesh
 
 
 def clip_grad_norm_(

@@ -1,0 +1,85 @@
+"""What both front ends' ``ShardStrategy`` classes are made of besides their framework's hooks: the devices and
+ranks, the mesh, and the small collectives. Lightning's ``ParallelStrategy`` differs between the Trainer and
+Fabric, so this is a mixin placed before it in each front end's class."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+from lightning_shard.common.distributed import barrier, broadcast_object, start_mesh
+from lightning_shard.common.options import ShardOptionsMixin
+from lightning_shard.engine.mesh import ShardMesh
+
+T = TypeVar("T")
+
+
+class ShardStrategyMixin(ShardOptionsMixin):
+    """Devices, ranks, mesh and collectives of a ``ShardStrategy``, for either front end."""
+
+    # Provided by Lightning's ParallelStrategy (either front end's).
+    parallel_devices: list[torch.device] | None
+    cluster_environment: ClusterEnvironment | None
+    local_rank: int
+    node_rank: int
+    global_rank: int
+    num_nodes: int
+    # Set by the front end's constructor.
+    _process_group_backend: str | None
+    _mesh: ShardMesh | None
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def offloads(self) -> bool:
+        """Whether shards live in CPU memory while the model computes on an accelerator (``cpu_offload``)."""
+        return self.options.cpu_offload and self.root_device.type != "cpu"
+
+    @property
+    def mesh(self) -> ShardMesh:
+        """This rank's place in the ``(replicas, shard_size)`` mesh; available once the processes are set up."""
+        if self._mesh is None:
+            raise RuntimeError(
+                "The ShardStrategy mesh exists only once the processes are set up (by the Trainer, or fabric.launch())."
+            )
+        return self._mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _start_mesh(self) -> None:
+        """Initialise the process group (unless one exists) and build the mesh; see ``start_mesh``."""
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        self._mesh = start_mesh(
+            self.options, self.cluster_environment, self.num_nodes, self.num_processes, self.root_device, backend
+        )
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        barrier(self.root_device)
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return broadcast_object(obj, src)

@@ -1,0 +1,72 @@
+"""The sharding engine: plain PyTorch, no Lightning. Both Lightning front ends are built on it, and a PyTorch
+script can call it directly (see ``shard_model``).
+
+One concern per module: ``policies`` (sharding strategies, wrap policies), ``mesh`` (which ranks shard and
+replicate together), ``param_shard`` (one parameter's rows and its two faces), ``unit`` and ``reduction`` (a
+unit's all-gather and its gradient reduction), ``collectives`` (the collectives as plain functions),
+``planning`` (which unit owns which parameter), ``buffers`` (buffers that follow DDP), ``sharded_module`` (the
+engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clipping``,
+``activation_checkpointing``, ``memory`` (what a rank holds) and ``estimate`` (what it would hold).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_shard.engine.clipping import clip_grad_norm_ as _clip_shards
+from lightning_shard.engine.mesh import build_shard_mesh
+from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.policies import ShardingStrategy, ShardingStrategyName, WrapPolicySpec, resolve_wrap_policy
+from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
+
+__all__ = ["ShardedModule", "clip_grad_norm_", "shard_model", "sharded_module_of"]
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    auto_wrap_policy: WrapPolicySpec = None,
+    sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
+    device_mesh: tuple[int, int] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    device: torch.device | str | None = None,
+    cpu_offload: bool = False,
+) -> ShardedModule:
+    """Shard ``model`` in place over the default process group, as the Lightning strategies do; return its engine.
+
+    Afterwards ``model.parameters()`` are this rank's rows (build the optimizer from them), each forward gathers
+    the units it runs, and each backward leaves this rank's rows of the averaged gradients in ``.grad``. A model
+    built on the meta device is materialised and initialised (``reset_parameters()``) one unit at a time. The
+    arguments mean what the strategies' arguments of the same names mean; ``device`` defaults to
+    ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. The process group must exist
+    (``torch.distributed.init_process_group``, e.g. under ``torchrun``).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "shard_model() shards over the default process group: call torch.distributed.init_process_group() first"
+            " (torchrun sets the environment it reads)."
+        )
+    if not isinstance(cpu_offload, bool):
+        raise TypeError(f"cpu_offload must be True or False, got {cpu_offload!r}.")
+    if device is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    strategy = ShardingStrategy.parse(sharding_strategy)
+    mesh = build_shard_mesh(strategy, device_mesh, dist.get_backend())
+    offload = cpu_offload and device.type != "cpu"
+    return shard_module(model, mesh, strategy, resolve_wrap_policy(auto_wrap_policy), device, mixed_precision, offload)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip the gradients of a sharded ``model`` by their global norm over every rank's rows; return that norm,
+    the same on every rank (what ``torch.nn.utils.clip_grad_norm_`` gives on an unsharded model). Collective."""
+    engine = sharded_module_of(model)
+    if engine is None:
+        raise TypeError(f"clip_grad_norm_() needs a model sharded by shard_model(), not a {type(model).__name__}.")
+    shards = [p.sharded for p in engine.sharded_params()]
+    return _clip_shards(shards, engine.mesh, engine.device, max_norm, norm_type)

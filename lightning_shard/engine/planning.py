@@ -1,0 +1,119 @@
+"""Which modules become units and which unit owns each parameter: the plan ``shard_module`` follows.
+
+[Note: which unit owns a parameter]
+A parameter belongs to the innermost unit whose subtree holds it. A parameter held in two
+subtrees (tied weights: an embedding and the LM head; a module shared by two blocks) belongs to
+the lowest unit that contains both: it is stored once, gathered whenever that unit is, and its
+gradient from every use accumulates on one unsharded face before the single reduction. That
+unit's forward encloses every use, so the weight is gathered wherever it is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_shard.engine.policies import WrapPolicy, select_unit_modules
+
+
+def plan_units(
+    root: nn.Module, policy: WrapPolicy | None
+) -> list[tuple[str, nn.Module, list[tuple[_ParamUse, nn.Parameter]]]]:
+    """The units in module order (root first), each with the parameters it owns.
+
+    See [Note: which unit owns a parameter].
+    """
+    unit_modules = [("", root), *select_unit_modules(root, policy)]
+    unit_ids = {id(m) for _, m in unit_modules}
+    uses, params_by_id = _collect_parameters(root, unit_ids)
+    parent_unit = _unit_parents(root, unit_ids)
+    owned: dict[int, list[tuple[_ParamUse, nn.Parameter]]] = {id(m): [] for _, m in unit_modules}
+    for pid, use in uses.items():
+        owned[_lowest_common_unit(sorted(use.unit_ids), parent_unit)].append((use, params_by_id[pid]))
+    return [(name, module, owned[id(module)]) for name, module in unit_modules]
+
+
+def _collect_parameters(root: nn.Module, unit_ids: set[int]) -> tuple[dict[int, _ParamUse], dict[int, nn.Parameter]]:
+    """For every parameter: the units whose subtrees hold it and each (module, attribute, name) holding it.
+
+    Walks without de-duplication, so a module or parameter reachable by two paths is seen in both
+    units' subtrees (see [Note: which unit owns a parameter]).
+    """
+    uses: dict[int, _ParamUse] = {}
+    params: dict[int, nn.Parameter] = {}
+    # An explicit stack, not a recursive closure: a closure that refers to itself is a reference cycle, which
+    # would keep ``params`` (every original full-size parameter) alive until Python's cycle collector runs.
+    stack: list[tuple[nn.Module, str, int, tuple[int, ...]]] = [(root, "", id(root), (id(root),))]
+    while stack:
+        module, prefix, unit_id, path = stack.pop()
+        if id(module) in unit_ids:
+            unit_id = id(module)
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            params[id(p)] = p
+            use = uses.setdefault(id(p), _ParamUse())
+            use.unit_ids.add(unit_id)
+            if prefix + name not in use.fqns:
+                use.fqns.append(prefix + name)
+            if not any(m is module and n == name for m, n in use.owners):
+                use.owners.append((module, name))
+        children = [(n, c) for n, c in module._modules.items() if c is not None and id(c) not in path]
+        for child_name, child in reversed(children):  # popped in registration order, as a recursive walk would
+            stack.append((child, f"{prefix}{child_name}.", unit_id, (*path, id(child))))
+    return uses, params
+
+
+@dataclass
+class _ParamUse:
+    fqns: list[str] = field(default_factory=list)
+    unit_ids: set[int] = field(default_factory=set)
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+def _unit_parents(root: nn.Module, unit_ids: set[int]) -> dict[int, int | None]:
+    """Parent unit of each unit (by module id); the root's is None."""
+    parents: dict[int, int | None] = {id(root): None}
+
+    def visit(module: nn.Module, enclosing: int) -> None:
+        for child in module.children():
+            if id(child) in unit_ids and id(child) not in parents:
+                parents[id(child)] = enclosing
+                visit(child, id(child))
+            else:
+                visit(child, enclosing)
+
+    visit(root, id(root))
+    return parents
+
+
+def _lowest_common_unit(unit_ids: list[int], parents: dict[int, int | None]) -> int:
+    def chain(u: int) -> list[int]:
+        out = [u]
+        while (p := parents.get(out[-1])) is not None:
+            out.append(p)
+        return out
+
+    common = chain(unit_ids[0])
+    for u in unit_ids[1:]:
+        ancestors = set(chain(u))
+        common = [c for c in common if c in ancestors]
+    return common[0]
+
+
+def check_meta_modules_resettable(root: nn.Module, meta_modules: dict[int, list[nn.Module]]) -> None:
+    names = {id(m): n or "<root>" for n, m in root.named_modules()}
+    missing = [
+        f"{names.get(id(m), '?')} ({type(m).__name__})"
+        for mods in meta_modules.values()
+        for m in mods
+        if not callable(getattr(m, "reset_parameters", None))
+    ]
+    if missing:
+        raise TypeError(
+            "These modules have parameters on the meta device but no reset_parameters() method: "
+            + ", ".join(missing)
+            + ". ShardStrategy materialises a meta-device model one unit at a time and initialises it by calling"
+            " reset_parameters() on each module that owns parameters: define it on these modules."
+        )

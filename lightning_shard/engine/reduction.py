@@ -1,0 +1,156 @@
+"""A unit's gradient reduction: from the gradients on its unsharded faces to this rank's averaged rows on the
+sharded faces' ``.grad``, as DDP averages them.
+
+Each rank's part of the reduction ends with one "was used" flag per trainable parameter, so that after the sum
+every rank knows which parameters got a gradient on some rank: those unused everywhere keep ``grad=None``, as
+with DDP. On gloo with CPU tensors the reduce-scatter is a point-to-point exchange (see [Note: the fast path per
+backend] in ``collectives``); elsewhere it is one ``reduce_scatter`` of a rank-major buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lightning_shard.engine import collectives
+from lightning_shard.engine.param_shard import ShardedParam
+
+if TYPE_CHECKING:
+    from lightning_shard.engine.unit import ShardUnit
+
+
+def start_reduction(unit: ShardUnit, async_op: bool) -> collectives.Pending:
+    """Issue ``unit``'s gradient reduction: the reduce-scatter (or, on gloo, the point-to-point exchange), then the
+    replica all-reduce; ``wait()`` on the result adds this rank's averaged rows to the shards' ``.grad``."""
+    mesh = unit.mesh
+    n, k = mesh.shard_size, len(unit.trainable)
+    grads = [p.unsharded.grad for p in unit.trainable]
+    for p in unit.trainable:
+        p.unsharded.grad = None
+    if mesh.world_size == 1:  # nothing to average: the gradients become the shards' gradients as they are
+        return collectives.Pending(None, functools.partial(_keep_local_grads, unit, grads))
+    if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_backend, unit.device):
+        return _start_exchange(unit, grads)
+    device = unit.device
+    present = {g.dtype for g in grads if g is not None}
+    in_dtype = present.pop() if len(present) == 1 else unit.reduce_dtype  # _chunk_cat wants one input dtype
+    # Each rank's chunk ends with k "was used" flags, so that after the sum every rank knows which
+    # parameters got a gradient on some rank: those unused everywhere keep grad None, as with DDP.
+    used_here = [g is not None for g in grads]
+    used = torch.tensor(used_here, dtype=in_dtype, device=device)
+    chunked = torch.empty(n, unit.grad_sharded_numel + k, dtype=unit.reduce_dtype, device=device)
+    pieces = [p.grad_rows(g, in_dtype, device) for p, g in zip(unit.trainable, grads)]
+    torch._chunk_cat([*pieces, used.expand(n, k)], dim=0, num_chunks=n, out=chunked)  # casts to reduce dtype
+    del grads, pieces  # the unsharded gradients are copied: free them before communicating
+    # DDP divides by the world size before summing. For a power-of-two world size dividing this rank's
+    # chunk after the sum gives the same bits (the scaling is exact) and touches 1/N of the data.
+    power_of_two = mesh.world_size & (mesh.world_size - 1) == 0
+    if not power_of_two or mesh.shard_group is None:
+        chunked.div_(mesh.world_size)
+    if mesh.shard_group is not None:
+        reduction = collectives.reduce_scatter_sum(
+            chunked.view(-1), mesh.shard_group, async_op, mesh.world_size if power_of_two else 1
+        )
+    else:
+        reduction = collectives.Pending(None, lambda: chunked.view(-1))
+    return collectives.Pending(None, lambda: _finish(unit, _result(reduction), used_here))
+
+def _start_exchange(unit: ShardUnit, grads: list[Tensor | None]) -> collectives.Pending:
+    """The reduce-scatter as a point-to-point exchange (see [Note: the fast path per backend]): every rank
+    sends each peer that peer's rows of every gradient, straight from the gradients (no rank-major copy),
+    and sums what it receives for its own rows. The result has the layout ``start_reduction`` gives."""
+    mesh = unit.mesh
+    assert mesh.shard_group is not None
+    n, me, k, total = mesh.shard_size, mesh.shard_rank, len(unit.trainable), unit.grad_sharded_numel
+    with torch.no_grad():
+        used_here = [g is not None for g in grads]
+        used = torch.tensor(used_here, dtype=unit.reduce_dtype, device=unit.device)
+        mats = [p.grad_rows(g, unit.reduce_dtype, unit.device) for p, g in zip(unit.trainable, grads)]
+        del grads
+        power_of_two = mesh.world_size & (mesh.world_size - 1) == 0
+        if not power_of_two:  # DDP divides before summing; for a power of two, after is the same bits
+            mats = [m / mesh.world_size for m in mats]
+        # What each peer sends for this rank's rows, one row per peer in the reduction's layout; with more
+        # than two ranks a row for this rank's own part too, so that the rows are summed in rank order.
+        received = torch.empty(n if n > 2 else 1, total + k, dtype=unit.reduce_dtype, device=unit.device)
+        for p in unit.trainable:  # zero the padding, which nobody sends, so that only numbers are summed
+            if p.local_rows < p.rows_per_rank:
+                received[:, p.grad_offset + p.local_rows * p.row_numel : p.grad_offset + p.padded_shard_numel] = 0
+
+        def row_of(rank: int) -> Tensor:
+            return received[rank if n > 2 else 0]
+
+        def own_piece(row: Tensor, p: ShardedParam) -> Tensor:
+            return row[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel]
+
+        outgoing: list[list[Tensor]] = [[] for _ in range(n)]
+        incoming: list[list[Tensor]] = [[] for _ in range(n)]
+        for q in range(n):
+            if q == me:
+                continue
+            for p, m in zip(unit.trainable, mats):
+                first, count = p.rows_held_by(q)
+                if count:
+                    outgoing[q].append(m[first : first + count].view(-1))
+                if p.local_rows:
+                    incoming[q].append(own_piece(row_of(q), p))
+            outgoing[q].append(used)
+            incoming[q].append(row_of(q)[total:])
+    rank_major_bytes = n * (total + k) * unit.reduce_dtype.itemsize  # what a reduce-scatter's input would be
+    exchange = collectives.reduce_scatter_exchange(outgoing, incoming, mesh.shard_group, rank_major_bytes)
+
+    def summed() -> Tensor:
+        exchange.wait()
+        with torch.no_grad():
+            # Two ranks: add this rank's part into the peer's row (a + b == b + a). More: put it in its own
+            # row and sum the rows in rank order, the same order on every rank.
+            target = row_of(me)
+            place = Tensor.add_ if n == 2 else Tensor.copy_
+            for p, m in zip(unit.trainable, mats):
+                if p.local_rows:
+                    first, count = p.rows_held_by(me)
+                    place(own_piece(target, p), m[first : first + count].view(-1))
+            place(target[total:], used)
+            out = target if n == 2 else received.sum(0)
+            return out.div_(mesh.world_size) if power_of_two else out
+
+    return collectives.Pending(None, lambda: _finish(unit, summed(), used_here))
+
+def _keep_local_grads(unit: ShardUnit, grads: list[Tensor | None]) -> None:
+    """One rank: each gradient becomes its shard's gradient (no copy unless the dtype or device differs);
+    parameters without a gradient keep ``None``."""
+    for p, g in zip(unit.trainable, grads):
+        if g is None:
+            continue
+        grad = g.to(device=unit.shard_device, dtype=unit.dtype).view(p.sharded.shape)
+        if p.sharded.grad is None:
+            p.sharded.grad = grad
+        else:
+            p.sharded.grad.add_(grad)
+
+def _finish(unit: ShardUnit, reduced: Tensor, used_here: list[bool]) -> None:
+    if unit.mesh.replicate_group is not None:
+        collectives.all_reduce_sum(reduced, unit.mesh.replicate_group)
+    # The summed flags matter only for parameters this rank did not use; when it used them all (the usual
+    # case) they are not read, which on a GPU saves a device synchronisation per unit.
+    used_anywhere = used_here if all(used_here) else (reduced[unit.grad_sharded_numel :] > 0).tolist()
+    shard_grads = reduced
+    if unit.reduce_dtype != unit.dtype or unit.offloaded:  # to the shards' dtype and device
+        shard_grads = reduced[: unit.grad_sharded_numel].to(device=unit.shard_device, dtype=unit.dtype)
+    for p, is_used in zip(unit.trainable, used_anywhere):
+        if not is_used:
+            continue
+        grad = shard_grads[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel].view(p.sharded.shape)
+        if p.sharded.grad is None:
+            p.sharded.grad = grad
+        else:
+            p.sharded.grad.add_(grad)
+
+
+def _result(pending: collectives.Pending) -> Tensor:
+    result = pending.wait()
+    assert result is not None
+    return result

@@ -1,0 +1,92 @@
+"""``fabric.save`` / ``fabric.load`` with ``ShardStrategy``: Fabric's state dict mapped onto checkpoint directories.
+
+[Note: Fabric state in a checkpoint directory]
+Fabric hands the strategy a dict of live objects, e.g. ``{"model": model, "optimizer": optimizer, "step": 7}``.
+The sharded module's tensors are written as the directory's model tensors and the optimizers' state as its
+optimizers, in the dict's order; everything else (plain values, tensors, the ``state_dict()`` of other stateful
+objects) goes into the trainer state, as a Trainer checkpoint stores its loop counters. The dict keys that held
+the module and the optimizers are recorded under ``FABRIC_OBJECTS``, so that loading knows them. The layout is
+the one the Trainer writes: a Fabric checkpoint's model and optimizers load into the Trainer and the reverse,
+whenever the module's parameter names match (the same module class, e.g. the LightningModule set up in Fabric).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities.types import _Stateful
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_shard.checkpoint.agreement import agree
+from lightning_shard.checkpoint.format import read_index
+from lightning_shard.checkpoint.load import load_model, load_safetensors_into
+from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS, load_checkpoint, save_checkpoint
+from lightning_shard.common.checkpoint import FABRIC_OBJECTS
+from lightning_shard.engine.sharded_module import sharded_module_of
+
+
+def save_fabric_state(path: Path, state: Mapping[str, Any], layout: StateDictType) -> None:
+    """Write Fabric's ``state`` (live module, optimizers, plain values) as a checkpoint directory. Collective."""
+    module_key, module = _sharded_module(state, "fabric.save")
+    optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
+    values: dict[str, Any] = {}
+    for key, value in state.items():
+        if key == module_key or key in optimizer_keys:
+            continue
+        if key == FABRIC_OBJECTS or key in TRAINER_PLACEHOLDERS:
+            raise ValueError(f"fabric.save: the state key {key!r} is reserved by the checkpoint format; rename it.")
+        values[key] = value.state_dict() if isinstance(value, (_Stateful, nn.Module)) else value
+    values[FABRIC_OBJECTS] = {"module": module_key, "optimizers": optimizer_keys}
+    save_checkpoint(path, module, [state[k] for k in optimizer_keys], values, layout)
+
+
+def load_fabric_state(path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """Fill ``state``'s module, optimizers and values in place from the checkpoint directory at ``path``; return
+    what the checkpoint holds that ``state`` did not ask for. Collective."""
+    _, module = _sharded_module(state, "fabric.load")
+    optimizers = [v for v in state.values() if isinstance(v, Optimizer)]
+    wanted = [k for k, v in state.items() if not isinstance(v, Optimizer) and v is not module]
+    saved, _ = load_checkpoint(path, module, optimizers, strict=strict)
+    saved.pop(FABRIC_OBJECTS, None)
+    missing = [k for k in wanted if k not in saved]
+    if strict and missing:
+        raise KeyError(
+            f"fabric.load: the checkpoint {path} has no entries {missing}; it holds {sorted(saved)}."
+            " Pass strict=False to load what is there."
+        )
+    for key in wanted:
+        if key not in saved:
+            continue
+        target = state[key]
+        if isinstance(target, (_Stateful, nn.Module)):
+            target.load_state_dict(saved.pop(key))
+        else:
+            state[key] = saved.pop(key)
+    return saved
+
+
+def load_raw_into(path: Path, module: nn.Module, strict: bool) -> None:
+    """``fabric.load_raw``: a plain ``.safetensors`` model file, or the model of a checkpoint directory. Collective."""
+    _, module = _sharded_module({"module": module}, "fabric.load_raw")
+    engine = sharded_module_of(module)
+    assert engine is not None
+    if path.is_dir():
+        index = agree(lambda: read_index(path))
+        load_model(engine, module, path, index, strict=strict)
+    else:
+        load_safetensors_into(module, path, strict=strict)
+
+
+def _sharded_module(state: Mapping[str, Any], caller: str) -> tuple[str, nn.Module]:
+    sharded = [(k, v) for k, v in state.items() if isinstance(v, nn.Module) and sharded_module_of(v) is not None]
+    if len(sharded) != 1:
+        found = [k for k, _ in sharded] or "none"
+        raise ValueError(
+            f"{caller} with ShardStrategy needs exactly one module set up with fabric.setup_module() in the state"
+            f" (found {found}). Save or load each sharded module in a checkpoint of its own."
+        )
+    return sharded[0]

@@ -1,0 +1,358 @@
+"""``ShardStrategy`` for Lightning Fabric: the Fabric front end of the sharding engine.
+
+It translates Fabric's calls (``setup_module``, ``setup_optimizers``, ``backward``, ``no_backward_sync``,
+``clip_gradients``, ``save``/``load``) into engine and checkpoint calls, exactly as the Trainer's
+``lightning_shard.ShardStrategy`` translates the Trainer's hooks; both take the same arguments
+(``lightning_shard.common.options``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_shard.common.options import ShardOptions
+from lightning_shard.common.precision import translate_precision
+from lightning_shard.common.registry import register_shard_strategies
+from lightning_shard.common.setup import accumulating, setup_sharded_module
+from lightning_shard.common.strategy_base import ShardStrategyMixin
+from lightning_shard.engine.clipping import clip_grads_with_norm_, global_grad_norm
+from lightning_shard.engine.mesh import ShardMesh
+from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.policies import GradSync, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
+from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
+from lightning_shard.fabric.checkpoint import load_fabric_state, load_raw_into, save_fabric_state
+from lightning_shard.fabric.precision import ShardPrecision
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import _LRScheduler
+
+
+class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
+    """Fully sharded data parallel training (ZeRO-3) for Lightning Fabric: gloo on CPU, NCCL on GPU.
+
+    Takes the same sharding arguments as the Trainer's ``lightning_shard.ShardStrategy`` (``auto_wrap_policy``,
+    ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy``,
+    ``grad_sync``, ``state_dict_type``, ``cpu_offload``, ``broadcast_buffers``, ``process_group_backend``,
+    ``timeout``), with the same
+    defaults; see that class for what each does. In Fabric, ``grad_sync`` applies to micro-batches run under
+    ``fabric.no_backward_sync(model)``.
+
+    Set up the model with ``fabric.setup_module(model)`` and create the optimizer from the returned model's
+    parameters (this rank's shards) before ``fabric.setup_optimizers(optimizer)``; ``fabric.setup(model,
+    optimizer)`` also works while the optimizer has no state yet (its parameters are swapped for the shards).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        auto_wrap_policy: WrapPolicySpec = None,
+        sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
+        device_mesh: tuple[int, int] | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        activation_checkpointing_policy: WrapPolicySpec = None,
+        grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        cpu_offload: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self.options = ShardOptions.parse(
+            auto_wrap_policy=auto_wrap_policy,
+            sharding_strategy=sharding_strategy,
+            device_mesh=device_mesh,
+            mixed_precision=mixed_precision,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            grad_sync=grad_sync,
+            state_dict_type=state_dict_type,
+            cpu_offload=cpu_offload,
+            broadcast_buffers=broadcast_buffers,
+            timeout=timeout,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._backward_sync_control = _ShardBackwardSyncControl(self)
+        self._mesh: ShardMesh | None = None
+        self._engines: list[ShardedModule] = []  # one per module set up, in order
+
+    # Properties #
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property  # type: ignore[override]
+    @override
+    def precision(self) -> ShardPrecision:
+        plugin = self._precision
+        if not isinstance(plugin, ShardPrecision):
+            plugin = self._precision = ShardPrecision("32-true")
+        return plugin
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = _as_shard_precision(precision)
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecision | None:
+        """The dtypes in effect: ``mixed_precision`` if given, else what the precision plugin implies."""
+        return self.options.mixed_precision or self.precision.mixed_precision_config
+
+    # Environment #
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        self._start_mesh()
+
+    # Model and optimizers #
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``empty_init=True``: build on the meta device; ``setup_module`` materialises and initialises the model one
+        unit at a time (``reset_parameters()``), so no rank ever holds it in full."""
+        return _init_context(empty_init, self.precision.module_init_context())
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        """Deliberately nothing: modules are sharded by ``setup_module``, one unit at a time."""
+        return nullcontext()
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: _LRScheduler | None = None
+    ) -> tuple[nn.Module, list[Optimizer], _LRScheduler | None]:
+        """Shard ``module`` and point each optimizer at the shards of the parameters it was built with. Refused for
+        an optimizer that already has state (it was stepped on the full parameters)."""
+        stepped = [i for i, opt in enumerate(optimizers) if opt.state]
+        if stepped:
+            raise ValueError(
+                f"The optimizer(s) at position {stepped} already hold state for the unsharded parameters, which"
+                " ShardStrategy cannot split. Set up in this order: fabric.setup_module(model), then create the"
+                " optimizer from the returned model's parameters, then fabric.setup_optimizers(optimizer)."
+            )
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        module = self.setup_module(module)
+        shards = {fqn: p.sharded for p in _engine_of(module).sharded_params() for fqn in p.fqns}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                unknown = [i for i, p in enumerate(group["params"]) if id(p) not in names]
+                if unknown:
+                    raise ValueError(
+                        "An optimizer passed to fabric.setup() holds tensors that are not parameters of the model"
+                        f" (positions {unknown} of a parameter group); build it from model.parameters()."
+                    )
+                group["params"] = [shards[names[id(p)]] for p in group["params"]]
+        if scheduler is not None:
+            rank_zero_warn("The learning-rate scheduler keeps references to the optimizer only; nothing to convert.")
+        return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place (it stays the same object): its parameters become this rank's shards."""
+        self.precision.set_device(self.root_device.type)
+        engine = setup_sharded_module(module, self.options, self.mesh, self.root_device, self.mixed_precision_config)
+        if all(engine is not e for e in self._engines):
+            self._engines.append(engine)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check that ``optimizer`` holds shards of a set-up module (it was created after ``setup_module``)."""
+        shards = {id(p.sharded) for engine in self._engines for p in engine.sharded_params()}
+        foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in shards)
+        if foreign:
+            raise ValueError(
+                f"The optimizer holds {foreign} tensor(s) that are not shards of a model set up with ShardStrategy."
+                " Create the optimizer after fabric.setup_module(model), from the returned model's parameters."
+            )
+        return optimizer
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Deliberately nothing: the engine places each shard on the device as it creates it."""
+
+    # Backward, clipping #
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip the optimizer's gradients by their global norm over all shards; return that norm (the same on every
+        rank). With ``error_if_nonfinite`` a non-finite norm raises on every rank before any gradient changes."""
+        self.precision.unscale_gradients(optimizer)
+        shards = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = global_grad_norm(shards, self.mesh, self.root_device, float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(norm):  # the same norm on every rank: all of them raise
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} of the gradients is non-finite ({norm.item()}), so it"
+                " cannot be clipped. Pass error_if_nonfinite=False to fabric.clip_gradients to clip anyway."
+            )
+        clip_grads_with_norm_(shards, float(max_norm), norm)
+        return norm
+
+    # Collectives #
+
+    @override
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # Checkpoints: directories of safetensors and JSON (see [Note: Fabric state in a checkpoint directory]) #
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Write ``state`` as a checkpoint directory at ``path`` (every rank writes its rows). Collective."""
+        if storage_options is not None:
+            raise TypeError("ShardStrategy.save_checkpoint(..., storage_options=...) is not supported.")
+        if filter:
+            raise ValueError(
+                "fabric.save(..., filter=...) is not supported with ShardStrategy: checkpoints hold every parameter"
+                " (use lightning-shard consolidate and select keys afterwards)."
+            )
+        save_fabric_state(Path(self.broadcast(str(path))), state, self.options.state_dict_type)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Fill ``state`` in place from a checkpoint directory (any world size, Fabric or Trainer written); a module
+        alone (``fabric.load_raw``) also takes a plain ``.safetensors`` file. Returns what ``state`` did not ask
+        for. Collective. Never unpickles."""
+        directory = Path(self.broadcast(str(path)))
+        if isinstance(state, nn.Module):
+            load_raw_into(directory, state, strict)
+            return {}
+        if isinstance(state, Optimizer) or not state:
+            raise ValueError(
+                "ShardStrategy loads a checkpoint into live objects: pass the state with the set-up model, e.g."
+                " fabric.load(path, {'model': model, 'optimizer': optimizer})."
+            )
+        return load_fabric_state(directory, state, strict)
+
+    # Teardown #
+
+    @override
+    def teardown(self) -> None:
+        for engine in self._engines:
+            engine.reshard_all()
+        if self._mesh is not None:
+            self._mesh.destroy()
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    # Registry #
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_shard_strategies(strategy_registry, cls)
+
+
+class _ShardBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: with ``grad_sync="step"`` the micro-batch's gradients stay unreduced on
+    the unsharded weights until a backward outside the context; with ``"microbatch"`` they are reduced at once."""
+
+    def __init__(self, strategy: ShardStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    @contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> Generator[None, None, None]:
+        engine = sharded_module_of(module)
+        if engine is None:
+            raise TypeError(
+                "fabric.no_backward_sync() needs the model set up with fabric.setup_module() under ShardStrategy;"
+                f" got a {type(module).__name__} that is not sharded."
+            )
+        if not enabled:
+            yield
+            return
+        with accumulating(engine, self._strategy.options.grad_sync):
+            yield
+
+
+def _init_context(empty_init: bool | None, precision_context: AbstractContextManager) -> AbstractContextManager:
+    @contextmanager
+    def context() -> Generator[None, None, None]:
+        with torch.device("meta") if empty_init else nullcontext(), precision_context:
+            yield
+
+    return context()
+
+
+def _engine_of(module: nn.Module) -> ShardedModule:
+    engine = sharded_module_of(module)
+    if engine is None:
+        raise TypeError(f"{type(module).__name__} was not set up with fabric.setup_module() under ShardStrategy.")
+    return engine
+
+
+def _as_shard_precision(plugin: Precision | None) -> ShardPrecision | None:
+    """Accept a ShardPrecision, or translate the plugin Fabric picked from ``Fabric(precision=...)``."""
+    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
+
+    choices = "Pass one of the Fabric precisions '32-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true'."
+    return translate_precision(plugin, ShardPrecision, MixedPrecision, HalfPrecision, Precision, choices)

@@ -1,0 +1,105 @@
+"""The plain-PyTorch entry points: ``lightning_shard.engine.shard_model`` / ``clip_grad_norm_`` against DDP, and
+``lightning_shard.checkpoint.save_checkpoint`` / ``load_checkpoint`` across world sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_shard.checkpoint import load_checkpoint, save_checkpoint
+from lightning_shard.engine import clip_grad_norm_, shard_model, sharded_module_of
+from lightning_shard.testing import run_on_ranks
+from tests.models import GPTBlock, TinyGPT, make_dataset
+
+
+def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = make_dataset("gpt")[rank * 3 : rank * 3 + 3]
+    return x, y
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    engine = sharded_module_of(model)
+    assert engine is not None
+    return {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
+
+
+def step_against_ddp(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    reference, model = TinyGPT(), TinyGPT()
+    model.load_state_dict(reference.state_dict())
+    x, y = _batch(rank)
+    ref_loss = F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
+    ref_loss.backward()
+    for p in reference.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    norm = clip_grad_norm_(model, max_norm=0.5)
+    optimizer.step()
+    torch.testing.assert_close(norm, ref_norm)
+    full = _full(model)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), msg=name)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shard_model_trains_a_step_as_ddp_with_the_global_norm(world_size: int) -> None:
+    run_on_ranks(step_against_ddp, world_size)
+
+
+def train_and_save(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batch(rank)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+    save_checkpoint(path, model, [optimizer], {"step": 1, "note": "after one step"})
+    return _full(model)
+
+
+def load_elsewhere(rank: int, world_size: int, path: str) -> dict:
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    model = TinyGPT()
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    values, result = load_checkpoint(path, model, [optimizer])
+    steps = [int(s["step"]) for s in optimizer.state.values()]
+    return {"values": values, "missing": result.missing_keys, "full": _full(model), "steps": steps}
+
+
+def test_save_checkpoint_on_2_ranks_loads_on_3(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(train_and_save, 2, path)[0]
+    for r in run_on_ranks(load_elsewhere, 3, path):
+        assert r["values"] == {"step": 1, "note": "after one step"} and r["missing"] == []
+        assert r["steps"] and set(r["steps"]) == {1}  # the optimizer state came back too
+        for name, t in saved.items():
+            torch.testing.assert_close(r["full"][name], t, rtol=0, atol=0, msg=name)
+
+
+def needs_a_process_group(rank: int, world_size: int) -> str:
+    dist.destroy_process_group()
+    try:
+        shard_model(TinyGPT())
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return ""
+
+
+def test_shard_model_without_a_process_group_says_what_to_do() -> None:
+    for message in run_on_ranks(needs_a_process_group, 1):
+        assert "call torch.distributed.init_process_group() first" in message
