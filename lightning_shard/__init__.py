@@ -9,6 +9,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shard.checkpoint.consolidate import CheckpointSummary, consolidate, inspect
+from lightning_shard.checkpoint.export import ExportResult, export_hf
 from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.load import LoadResult, load_safetensors_into
 from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
@@ -23,6 +24,7 @@ from lightning_shard.engine.policies import (
     SizeWrapPolicy,
 )
 from lightning_shard.fabric import ShardStrategy as _FabricShardStrategy
+from lightning_shard.inference import load_from_checkpoint
 from lightning_shard.monitor import ShardMonitor
 from lightning_shard.trainer.precision import ShardPrecision
 from lightning_shard.trainer.strategy import ShardStrategy
@@ -36,6 +38,7 @@ __all__ = [
     "CallableWrapPolicy",
     "CheckpointError",
     "CheckpointSummary",
+    "ExportResult",
     "LoadResult",
     "MemoryEstimate",
     "GradSync",
@@ -53,6 +56,8 @@ __all__ = [
     "__version__",
     "consolidate",
     "estimate_memory",
+    "export_hf",
     "inspect",
+    "load_from_checkpoint",
     "load_safetensors_into",
 ]

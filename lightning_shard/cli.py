@@ -2,6 +2,7 @@
 
     lightning-shard consolidate CKPT_DIR OUT.safetensors   # one model file, loadable with safetensors
     lightning-shard inspect CKPT_DIR                       # world size, step, tensors, checksum verification
+    lightning-shard export CKPT_DIR OUT_DIR --format hf --prefix model. --config config.json  # from_pretrained
     lightning-shard estimate my_pkg.models:build_gpt --world-size 8 --wrap Block --precision bf16-mixed
 """
 
@@ -32,12 +33,23 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--precision", default="32-true")
     e.add_argument("--optimizer", default="adamw")
     e.add_argument("--cpu-offload", action="store_true", help="model state in CPU memory (cpu_offload=True)")
+    x = commands.add_parser("export", help="write a checkpoint's model in Hugging Face's save_pretrained layout")
+    x.add_argument("checkpoint_dir")
+    x.add_argument("output_dir")
+    x.add_argument("--format", choices=["hf"], default="hf", help="output layout (hf: sharded safetensors + index)")
+    x.add_argument("--prefix", default="", help="stripped from the keys (e.g. 'model.'); other keys are left out")
+    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    x.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 200MB or bytes")
+    x.add_argument("--config", default=None, help="a config.json to copy into OUTPUT_DIR")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return _estimate(args)
     from lightning_shard.checkpoint.consolidate import consolidate, inspect
 
     try:
+        if args.command == "export":
+            return _export(args)
         if args.command == "consolidate":
             print(f"wrote {consolidate(args.checkpoint_dir, args.output)}")
             return 0
@@ -48,6 +60,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lightning-shard: {err}", file=sys.stderr)
         return 2
 
+
+def _export(args: argparse.Namespace) -> int:
+    from lightning_shard.checkpoint.export import export_hf
+
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    result = export_hf(args.checkpoint_dir, args.output_dir, prefix=args.prefix, dtype=args.dtype,
+                       max_shard_size=size, config=args.config, overwrite=args.overwrite)
+    if result.skipped:
+        print(f"note: {len(result.skipped)} keys without the prefix {args.prefix!r} were left out:"
+              f" {', '.join(result.skipped)}")
+    print(f"wrote {len(result.files)} weight files ({result.total_size / 2**20:.2f} MiB) to {result.output_dir}")
+    return 0
 
 
 def _estimate(args: argparse.Namespace) -> int:

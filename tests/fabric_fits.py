@@ -288,3 +288,17 @@ def trainer_twin(rank: int, world_size: int, precision: str, steps: int, global_
     )
     trainer.fit(module, DataLoader(Subset(data, rows), batch_size=local, shuffle=False))
     return module.losses
+
+
+def fabric_with_another_checkpoint_io(rank: int, world_size: int) -> str:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class Elsewhere(TorchCheckpointIO):
+        """A CheckpointIO plugin ShardStrategy would ignore."""
+
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ShardStrategy(), plugins=[Elsewhere()])
+    try:
+        fabric.launch()
+    except TypeError as err:
+        return str(err)
+    return ""

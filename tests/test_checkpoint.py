@@ -178,7 +178,7 @@ def test_shape_mismatch_names_the_keys(tmp_path: Path, saved: dict) -> None:
 
 def failing_save(rank: int, world_size: int, ckpt_dir: str) -> str:
     """Save once, then make rank 1 fail while writing its shard of a second save to the same path."""
-    from lightning_shard.checkpoint import format as checkpoint_format
+    from lightning_shard.checkpoint import writer as checkpoint_format
 
     result = fit(rank, world_size, ckpt_dir, 1)
     del result
@@ -412,3 +412,16 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path, break
     for message in run_on_ranks(save_after, 2, str(tmp_path), breakage):  # a hang would time out instead
         assert expected in message, message
     assert not any(tmp_path.iterdir())  # nothing left behind
+
+
+def test_a_successful_save_removes_what_a_killed_save_left_and_nothing_else(tmp_path: Path) -> None:
+    stale = [".last.ckpt.tmp-0123456789ab", ".epoch=0.ckpt.old-abcdef012345"]
+    kept = [".notes.tmp-short", "user-data", ".last.ckpt.tmp-0123456789ab.txt"]
+    for name in stale + kept[:2]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shard-00000-of-00002.safetensors").write_bytes(b"partial")
+    (tmp_path / kept[2]).write_text("a file, not a save's directory")
+    run_on_ranks(fit, 2, str(tmp_path), 1)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert not names & set(stale), names
+    assert set(kept) | {"last.ckpt"} <= names, names

@@ -15,6 +15,7 @@ from tests.fabric_fits import (
     fabric_lit_module,
     fabric_refusals,
     fabric_surface,
+    fabric_with_another_checkpoint_io,
     trainer_twin,
 )
 
@@ -140,3 +141,8 @@ def test_fabric_precision_is_the_trainers_sharded_precision(precision: str) -> N
     for f, t in zip(fabric, trainer):
         assert f["precision"].startswith("<lightning_shard.fabric.precision.ShardPrecision")
         assert f["local_losses"] == t
+
+
+def test_a_checkpoint_io_plugin_that_would_be_ignored_is_refused() -> None:
+    for message in run_on_ranks(fabric_with_another_checkpoint_io, 2):
+        assert "the CheckpointIO plugin Elsewhere would not be used" in message

@@ -17,11 +17,11 @@ from lightning_shard.checkpoint.format import CheckpointError
 T = TypeVar("T")
 
 
-def agree(fn: Callable[[], T]) -> T:
+def agree(fn: Callable[[], T], group: Any = None) -> T:
     """Run ``fn`` on every rank; if it raised on any rank, raise on all of them (naming the ranks and errors).
 
-    The ranks exchange one small record each, so a failure on one rank never leaves the others waiting
-    in a collective.
+    The ranks exchange one small record each (over ``group``, the default group when ``None``), so a failure on
+    one rank never leaves the others waiting in a collective.
     """
     error: str | None = None
     result: Any = None
@@ -31,11 +31,7 @@ def agree(fn: Callable[[], T]) -> T:
         error = str(err)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = f"{type(err).__name__}: {err}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    else:
-        errors = [error]
+    errors = gather_records(error, group)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
@@ -51,10 +47,11 @@ def broadcast_str(value: str) -> str:
     return box[0]
 
 
-def gather_records(records: Any) -> list[Any]:
-    """Every rank's ``records``, in rank order (``agree`` returns only this rank's; an index needs all). Collective."""
+def gather_records(records: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``records``, in rank order (``agree`` returns only this rank's; an index needs all). Collective
+    over ``group`` (the default group when ``None``)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [records]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, records)
+    dist.all_gather_object(out, records, group=group)
     return out

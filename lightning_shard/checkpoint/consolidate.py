@@ -16,15 +16,15 @@ from lightning_shard.checkpoint.format import (
     MODEL_PREFIX,
     TRAINER_STATE_JSON,
     CheckpointError,
-    SafetensorsStreamWriter,
     crc32,
     dtype_from_name,
     iter_index_tensors,
     model_ties,
     read_index,
     read_rows,
-    sha256_file,
+    require_complete,
 )
+from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
 
 
 def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
@@ -35,6 +35,7 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
     """
     directory, output = Path(checkpoint_dir), Path(output)
     index = read_index(directory)
+    require_complete(directory, index["tensors"])
     model = list(iter_index_tensors(index, MODEL_PREFIX))
     ties = model_ties(index)
     specs = [(key, dtype_from_name(e["dtype"]), tuple(e["shape"])) for key, e in model]
@@ -83,6 +84,7 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
     """Summarise a checkpoint directory; with ``verify``, check every file's SHA-256 and every piece's CRC-32."""
     directory = Path(checkpoint_dir)
     index = read_index(directory)
+    require_complete(directory, index["tensors"])
     state = json.loads((directory / TRAINER_STATE_JSON).read_text())
     problems: list[str] = []
     if verify:

@@ -16,14 +16,14 @@ CRC-32. A reader takes exactly the rows it needs from each piece with safetensor
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import math
 import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -77,68 +77,6 @@ def crc32(tensor: Tensor) -> int:
     return zlib.crc32(data.data) & 0xFFFFFFFF
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-# --------------------------------------------------------------------------------------------------
-# Writing a safetensors file tensor by tensor
-# --------------------------------------------------------------------------------------------------
-
-
-class SafetensorsStreamWriter:
-    """Write a safetensors file whose tensors arrive one at a time, so that only one is ever in memory.
-
-    The header (names, dtypes, shapes, offsets) is written first from ``specs``; ``write`` must then be
-    called once per tensor, in the order of ``specs``.
-    """
-
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
-        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-        offset = 0
-        self._expected: list[tuple[str, int]] = []
-        for name, dtype, shape in specs:
-            nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            self._expected.append((name, nbytes))
-            offset += nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
-        self._next = 0
-
-    def write(self, name: str, tensor: Tensor) -> int:
-        """Append ``tensor``'s bytes; return their CRC-32."""
-        expected_name, nbytes = self._expected[self._next]
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # no copy of the bytes
-        if name != expected_name or data.nbytes != nbytes:
-            raise CheckpointError(f"Internal error: expected {expected_name} ({nbytes} bytes), got {name}.")
-        self._file.write(data.data)
-        self._next += 1
-        return zlib.crc32(data.data) & 0xFFFFFFFF
-
-    def close_quietly(self) -> None:
-        """Close after a failure, without the completeness check."""
-        self._file.close()
-
-    def close(self) -> None:
-        self._file.close()
-        if self._next != len(self._expected):
-            raise CheckpointError(f"Internal error: {len(self._expected) - self._next} tensors were not written.")
-
-
-# --------------------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------------------
-
-
 def read_index(directory: Path) -> dict[str, Any]:
     """Read and check ``index.json``: format name and version, and that every file exists at its recorded size."""
     index_path = directory / INDEX_FILE
@@ -160,8 +98,10 @@ def read_index(directory: Path) -> dict[str, Any]:
             f"{index_path} has format version {index.get('version')!r}; this lightning_shard reads version"
             f" {FORMAT_VERSION}. Upgrade lightning_shard to read it."
         )
+    if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict):
+        raise CheckpointError(f"{index_path} lacks its 'files' or 'tensors' table.")
     for name, info in index["files"].items():
-        path = directory / name
+        path = member_path(directory, name)
         if not path.is_file():
             raise CheckpointError(f"Checkpoint file {path} is missing.")
         size = path.stat().st_size
@@ -170,39 +110,235 @@ def read_index(directory: Path) -> dict[str, Any]:
                 f"Checkpoint file {path} has {size} bytes but the index records {info['size']}: it is truncated"
                 f" or was modified."
             )
+    validate_tensors(directory, index["tensors"], {name: info["size"] for name, info in index["files"].items()})
     return index
 
 
-def read_rows(directory: Path, entry: dict[str, Any], start: int, stop: int) -> Tensor:
+# --------------------------------------------------------------------------------------------------
+# Validation: a checkpoint is untrusted input
+# --------------------------------------------------------------------------------------------------
+#
+# [Note: checkpoints are untrusted]
+# Before any tensor data is read, the index is checked against the directory and the safetensors headers:
+# every file is a plain name inside the directory (no "..", no separators, no symlink out of it), every
+# header fits in its file and every tensor's bytes lie inside it, and each tensor's pieces agree with the
+# headers and cover its rows exactly once. So a shape in the index can never claim more bytes than the
+# files hold, and nothing is allocated from a number that was not checked against a real file size.
+
+MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header is JSON describing the tensors; 100 MiB is far beyond any model
+_TORCH_BY_SAFETENSORS = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
+
+
+def member_path(directory: Path, name: Any) -> Path:
+    """``directory / name``, refusing any ``name`` that is not a plain file name inside ``directory`` (``..``, an
+    absolute path, a path separator) or that is a symlink leading out of it. Nothing is opened."""
+    plain = (
+        isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+        and "\0" not in name and not Path(name).is_absolute()
+    )
+    if not plain:
+        raise CheckpointError(
+            f"The checkpoint in {directory} refers to the file {name!r}, which is not a plain file name inside the"
+            f" directory; refusing to open it."
+        )
+    path = directory / name
+    if path.is_symlink() and not path.resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(
+            f"Checkpoint file {path} is a symlink that leads out of {directory} (to {path.resolve()});"
+            f" refusing to open it."
+        )
+    return path
+
+
+def read_safetensors_header(path: Path, size: int) -> dict[str, Any]:
+    """The tensor table of the safetensors file ``path`` of ``size`` bytes (name -> dtype, shape, data_offsets),
+    checked against ``size``: the header fits in the file, and every tensor's bytes lie inside its data section."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"Checkpoint file {path} has {size} bytes, too few for a safetensors header.")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(
+                f"Checkpoint file {path} claims a {length}-byte header but holds {size} bytes in all: it is damaged."
+            )
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"Checkpoint file {path} has a header that is not valid JSON ({err}).") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"Checkpoint file {path} has a header that is not a table of tensors.")
+    data_bytes = size - 8 - length
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for key, info in tensors.items():
+        _check_header_entry(path, key, info, data_bytes)
+    return tensors
+
+
+def _check_header_entry(path: Path, key: str, info: Any, data_bytes: int) -> None:
+    info = info if isinstance(info, dict) else {}
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    dtype = _TORCH_BY_SAFETENSORS.get(str(info.get("dtype")))
+    if dtype is None or not _is_shape(shape) or not _is_shape(offsets) or len(offsets) != 2:
+        raise CheckpointError(f"Checkpoint file {path}: tensor {key!r} has a malformed header entry {info!r}.")
+    begin, end = offsets
+    if not begin <= end <= data_bytes or end - begin != math.prod(shape) * dtype.itemsize:
+        raise CheckpointError(
+            f"Checkpoint file {path}: tensor {key!r} of shape {shape} ({info['dtype']}) claims bytes"
+            f" [{begin}, {end}) but the file holds {data_bytes} bytes of tensor data."
+        )
+
+
+def _is_shape(value: Any) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
+
+
+def validate_tensors(directory: Path, tensors: dict[str, Any], file_sizes: dict[str, int]) -> None:
+    """Check every tensor entry of an index against the files (see [Note: checkpoints are untrusted]): a known
+    dtype, a well-formed shape, pieces in listed files whose headers hold exactly the claimed rows, and pieces
+    that never overlap or leave a gap (``require_complete`` checks that they reach the last row). Reads only
+    headers; raises ``CheckpointError`` naming the file and key."""
+    headers: dict[str, dict[str, Any]] = {}
+    for key, entry in tensors.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        pieces = entry.get("pieces") if isinstance(entry, dict) else None
+        if not _is_shape(shape) or not isinstance(pieces, list) or not pieces:
+            raise CheckpointError(f"{directory / INDEX_FILE}: tensor {key!r} has a malformed entry.")
+        dtype = dtype_from_name(entry.get("dtype", ""))
+        rows = shape[0] if shape else 1
+        covered = 0
+        for piece in sorted(pieces, key=_first_row):
+            lo, hi = _piece_rows(directory, key, piece)
+            if lo != covered or hi > rows:
+                problem = "leaves a gap before it" if lo > covered else "overlaps the previous piece"
+                if hi > rows:
+                    problem = f"lies beyond the tensor's {rows} rows"
+                raise CheckpointError(
+                    f"{directory / INDEX_FILE}: tensor {key!r} (shape {shape}): the piece in {piece.get('file')!r}"
+                    f" holding rows [{lo}, {hi}) {problem}."
+                )
+            name = piece.get("file")
+            if name not in file_sizes:
+                raise CheckpointError(
+                    f"{directory / INDEX_FILE}: tensor {key!r} refers to the file {name!r}, which the index does not"
+                    f" list."
+                )
+            if name not in headers:
+                headers[name] = read_safetensors_header(member_path(directory, name), file_sizes[name])
+            _check_piece(directory / name, key, piece, headers[name], [hi - lo, *shape[1:]] if shape else [], dtype)
+            covered = hi
+    # That the pieces reach the last row is checked by require_complete(), after a loader has compared the shapes
+    # with the model's: a shape that differs from the model's is reported as that.
+
+
+def require_complete(directory: Path, tensors: dict[str, Any], keys: Any = None) -> None:
+    """Raise ``CheckpointError`` unless the pieces of each tensor in ``keys`` (all when ``None``) reach its last
+    row; with ``validate_tensors``, every row is then covered exactly once."""
+    for key in tensors if keys is None else keys:
+        entry = tensors[key]
+        rows = entry["shape"][0] if entry["shape"] else 1
+        covered = max(piece["rows"][1] for piece in entry["pieces"])
+        if covered != rows:
+            raise CheckpointError(
+                f"{directory / INDEX_FILE}: tensor {key!r} (shape {entry['shape']}): its pieces cover rows"
+                f" [0, {covered}) of {rows}."
+            )
+
+
+def _first_row(piece: Any) -> int:
+    rows = piece.get("rows") if isinstance(piece, dict) else None
+    return rows[0] if _is_shape(rows) and rows else 0
+
+
+def _piece_rows(directory: Path, key: str, piece: Any) -> tuple[int, int]:
+    rows = piece.get("rows") if isinstance(piece, dict) else None
+    if not _is_shape(rows) or len(rows) != 2 or rows[0] > rows[1] or not isinstance(piece.get("key"), str):
+        raise CheckpointError(f"{directory / INDEX_FILE}: tensor {key!r} has a malformed piece {piece!r}.")
+    return rows[0], rows[1]
+
+
+def _check_piece(
+    path: Path, key: str, piece: dict[str, Any], header: dict[str, Any], shape: list[int], dtype: torch.dtype
+) -> None:
+    info = header.get(piece["key"])
+    if info is None:
+        raise CheckpointError(f"Checkpoint file {path} does not hold {piece['key']!r}, a piece of tensor {key!r}.")
+    shape_ok = info["shape"] == shape or (not shape and info["shape"] == [1])  # a 0-dim tensor: () or (1,)
+    if not shape_ok or _TORCH_BY_SAFETENSORS[info["dtype"]] != dtype:
+        raise CheckpointError(
+            f"Checkpoint file {path}: {piece['key']!r}, rows {piece['rows']} of tensor {key!r}, holds shape"
+            f" {info['shape']} ({info['dtype']}) but the index claims shape {shape} ({dtype_name(dtype)})."
+        )
+
+
+def check_loadable(
+    key: str, stored_shape: Any, stored_dtype: torch.dtype, shape: Any, dtype: torch.dtype
+) -> str | None:
+    """Why the checkpoint tensor ``key`` cannot be loaded into a tensor of ``shape`` and ``dtype``, or ``None``.
+
+    Shapes must be equal; dtypes must be equal or both floating point (a deliberate cast, e.g. bf16 weights into
+    a float32 model)."""
+    if tuple(stored_shape) != tuple(shape):
+        return f"{key}: checkpoint {tuple(stored_shape)}, model {tuple(shape)}"
+    if stored_dtype != dtype and not (stored_dtype.is_floating_point and dtype.is_floating_point):
+        return f"{key}: checkpoint dtype {dtype_name(stored_dtype)}, model dtype {dtype}"
+    return None
+
+
+class OpenFiles:
+    """Safetensors files opened once each and kept open while a load reads its rows from them."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def slice(self, piece: dict[str, Any]) -> Any:
+        """The safetensors slice of ``piece`` (rows are read only when indexed)."""
+        from safetensors import safe_open
+
+        path = member_path(self._directory, piece["file"])
+        try:
+            if piece["file"] not in self._handles:
+                self._handles[piece["file"]] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            return self._handles[piece["file"]].get_slice(piece["key"])
+        except Exception as err:  # noqa: BLE001 - any failure to parse is a damaged file
+            raise CheckpointError(f"Cannot read {piece['key']!r} from checkpoint file {path}: {err}") from None
+
+
+def read_rows(
+    directory: Path, entry: dict[str, Any], start: int, stop: int, files: OpenFiles | None = None
+) -> Tensor:
     """Rows ``[start, stop)`` (dim 0) of the tensor ``entry`` describes, reading only the pieces that hold them.
 
-    A 0-dim tensor is read whole. A piece read entirely is checked against its CRC-32.
+    ``entry`` must have passed ``validate_tensors`` (``read_index`` does that). ``files`` keeps each file open
+    across calls; without it the files are opened for this call only. A 0-dim tensor is read whole. A piece
+    read entirely is checked against its CRC-32.
     """
-    from safetensors import safe_open
-
+    if files is None:
+        with OpenFiles(directory) as own:
+            return read_rows(directory, entry, start, stop, own)
     shape = entry["shape"]
     dtype = dtype_from_name(entry["dtype"])
     if not shape:
         piece = entry["pieces"][0]
-        return _checked(directory, piece, _open_slice(directory, piece, safe_open)[...], whole=True).reshape(())
+        return _checked(directory, piece, files.slice(piece)[...], whole=True).reshape(())
     out = torch.empty(stop - start, *shape[1:], dtype=dtype)
     for piece in entry["pieces"]:
         lo, hi = piece["rows"]
         a, b = max(lo, start), min(hi, stop)
         if a >= b:
             continue
-        rows = _open_slice(directory, piece, safe_open)[a - lo : b - lo]
+        rows = files.slice(piece)[a - lo : b - lo]
         out[a - start : b - start] = _checked(directory, piece, rows, whole=(a == lo and b == hi))
     return out
-
-
-def _open_slice(directory: Path, piece: dict[str, Any], safe_open: Any) -> Any:
-    path = directory / piece["file"]
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_slice(piece["key"])
-    except Exception as err:  # noqa: BLE001 - any failure to parse is a damaged file
-        raise CheckpointError(f"Cannot read {piece['key']!r} from checkpoint file {path}: {err}") from None
 
 
 def _checked(directory: Path, piece: dict[str, Any], tensor: Tensor, whole: bool) -> Tensor:
@@ -211,65 +347,6 @@ def _checked(directory: Path, piece: dict[str, Any], tensor: Tensor, whole: bool
             f"Checkpoint file {directory / piece['file']} is corrupted: {piece['key']!r} does not match its checksum."
         )
     return tensor
-
-
-# --------------------------------------------------------------------------------------------------
-# Lightning's checkpoint dict <-> JSON plus tensors
-# --------------------------------------------------------------------------------------------------
-
-
-def to_json_tree(obj: Any, tensors: dict[str, Tensor], path: str = "") -> Any:
-    """Encode ``obj`` as JSON-compatible data; tensors move to ``tensors`` (keyed by their path) and are referenced.
-
-    Raises ``CheckpointError`` naming the path of any value that JSON and tensors cannot represent.
-    """
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, Tensor):
-        key = path or "value"
-        tensors[key] = obj.detach().cpu().clone()  # own storage: safetensors refuses shared memory
-        return {"__tensor__": key}
-    if isinstance(obj, torch.dtype):
-        return {"__dtype__": dtype_name(obj)}
-    if isinstance(obj, Path):
-        return {"__path__": str(obj)}
-    if isinstance(obj, (list, tuple)):
-        items = [to_json_tree(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else {"__tuple__": items}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: to_json_tree(v, tensors, f"{path}/{k}") for k, v in obj.items()}
-        return {"__items__": [[to_json_tree(k, tensors, f"{path}/key{i}"), to_json_tree(v, tensors, f"{path}/{i}")]
-                              for i, (k, v) in enumerate(obj.items())]}
-    if hasattr(obj, "item") and hasattr(obj, "dtype"):  # numpy scalars
-        return obj.item()
-    raise CheckpointError(
-        f"The checkpoint value at {path or '/'} is a {type(obj).__name__}, which cannot be stored without pickle."
-        f" Store plain values (numbers, strings, lists, dicts, tensors) in hyperparameters and callback states."
-    )
-
-
-def from_json_tree(obj: Any, tensors: dict[str, Tensor]) -> Any:
-    """Invert ``to_json_tree``."""
-    if isinstance(obj, list):
-        return [from_json_tree(v, tensors) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if "__tensor__" in obj:
-        return tensors[obj["__tensor__"]]
-    if "__dtype__" in obj:
-        return dtype_from_name(obj["__dtype__"])
-    if "__path__" in obj:
-        return Path(obj["__path__"])
-    if "__tuple__" in obj:
-        return tuple(from_json_tree(v, tensors) for v in obj["__tuple__"])
-    if "__items__" in obj:
-        return {_hashable(from_json_tree(k, tensors)): from_json_tree(v, tensors) for k, v in obj["__items__"]}
-    return {k: from_json_tree(v, tensors) for k, v in obj.items()}
-
-
-def _hashable(key: Any) -> Any:
-    return tuple(key) if isinstance(key, list) else key
 
 
 def iter_index_tensors(index: dict[str, Any], prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -24,12 +24,20 @@ from lightning_shard.checkpoint.format import (
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
-    from_json_tree,
+    OpenFiles,
+    check_loadable,
+    dtype_from_name,
+    dtype_name,
     iter_index_tensors,
+    member_path,
     model_ties,
     read_index,
     read_rows,
+    read_safetensors_header,
+    require_complete,
+    validate_tensors,
 )
+from lightning_shard.checkpoint.trainer_state import from_json_tree
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
 
@@ -56,8 +64,10 @@ def load_trainer_state(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]
 
     index = read_index(directory)
     try:
-        state_json = json.loads((directory / TRAINER_STATE_JSON).read_text())
-        tensors = load_file(str(directory / TRAINER_STATE_TENSORS))
+        state_json = json.loads(member_path(directory, TRAINER_STATE_JSON).read_text())
+        tensors = load_file(str(member_path(directory, TRAINER_STATE_TENSORS)))
+    except CheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - a damaged file: name it
         raise CheckpointError(f"Cannot read the trainer state in {directory}: {err}") from None
     return from_json_tree(state_json, tensors), index
@@ -93,27 +103,29 @@ def _load_model_rows(
     engine: ShardedModule, module: nn.Module, directory: Path, index: dict[str, Any], ties: dict[str, str]
 ) -> None:
     entries = dict(iter_index_tensors(index, MODEL_PREFIX))
-    mismatched, plan = [], []
+    plan = []
     for p in engine.sharded_params():
         key = next((ties.get(f, f) for f in p.fqns if ties.get(f, f) in entries), None)
-        if key is None:
-            continue
-        if tuple(entries[key]["shape"]) != tuple(p.global_shape):
-            mismatched.append(f"{key}: checkpoint {tuple(entries[key]['shape'])}, model {tuple(p.global_shape)}")
-        plan.append((key, p))
+        if key is not None:
+            plan.append((key, p))
     owned = {f for p in engine.sharded_params() for f in p.fqns}
     buffers = [(k, b) for k, b in module.named_buffers(remove_duplicate=False) if k in entries and k not in owned]
-    for key, buf in buffers:
-        if tuple(entries[key]["shape"]) != tuple(buf.shape):
-            mismatched.append(f"{key}: checkpoint {tuple(entries[key]['shape'])}, model {tuple(buf.shape)}")
-    if mismatched:
+    targets = [(key, p.global_shape, p.dtype) for key, p in plan] + [(key, b.shape, b.dtype) for key, b in buffers]
+    mismatched = [problem for key, shape, dtype in targets if (problem := _mismatch(key, entries[key], shape, dtype))]
+    if mismatched:  # checked before anything is allocated or read
         raise CheckpointError("Checkpoint tensors do not match the model's shapes: " + "; ".join(mismatched))
-    with torch.no_grad():
+    require_complete(directory, entries, [key for key, _, _ in targets])
+    with torch.no_grad(), OpenFiles(directory) as files:
         for key, p in plan:  # read everything first would double memory; a failure stops all ranks via agree()
-            rows = read_rows(directory, entries[key], p.first_row, p.first_row + p.local_rows)
+            rows = read_rows(directory, entries[key], p.first_row, p.first_row + p.local_rows, files)
             p.sharded.copy_(rows.reshape(p.sharded.shape))
         for key, buf in buffers:
-            buf.copy_(read_rows(directory, entries[key], 0, entries[key]["shape"][0] if entries[key]["shape"] else 1))
+            entry = entries[key]
+            buf.copy_(read_rows(directory, entry, 0, entry["shape"][0] if entry["shape"] else 1, files))
+
+
+def _mismatch(key: str, entry: dict[str, Any], shape: Any, dtype: torch.dtype) -> str | None:
+    return check_loadable(key, entry["shape"], dtype_from_name(entry["dtype"]), shape, dtype)
 
 
 def load_optimizers(
@@ -155,21 +167,40 @@ def _optimizer_state(
         groups.append({**options, "params": [position[n] for n in names_in_group]})
     state: dict[int, dict[str, Any]] = {}
     sharded = {p.fqn: p for p in engine.sharded_params()}
-    for key, entry in iter_index_tensors(index, f"{OPTIMIZER_PREFIX}{i}/"):
-        fqn, name = key.rsplit("/", 1)
-        if fqn not in position:  # strict=False: the model no longer has this parameter
-            continue
-        p = sharded[fqn]
-        if entry["shape"] and tuple(entry["shape"]) == tuple(p.global_shape):
-            value = read_rows(directory, entry, p.first_row, p.first_row + p.local_rows).reshape(p.sharded.shape)
-        else:
-            value = read_rows(directory, entry, 0, entry["shape"][0] if entry["shape"] else 1)
-        state.setdefault(position[fqn], {})[name] = value  # load_state_dict() moves it as the optimizer wants
+    entries = [(key, entry) for key, entry in iter_index_tensors(index, f"{OPTIMIZER_PREFIX}{i}/")
+               if key.rsplit("/", 1)[0] in position]  # strict=False: the model may no longer have a parameter
+    _check_optimizer_shapes(i, entries, sharded)  # before anything is allocated or read
+    require_complete(directory, dict(entries))
+    with OpenFiles(directory) as files:
+        for key, entry in entries:
+            fqn, name = key.rsplit("/", 1)
+            p = sharded[fqn]
+            if entry["shape"]:
+                value = read_rows(directory, entry, p.first_row, p.first_row + p.local_rows, files)
+                value = value.reshape(p.sharded.shape)
+            else:
+                value = read_rows(directory, entry, 0, 1, files)
+            state.setdefault(position[fqn], {})[name] = value  # load_state_dict() moves it as the optimizer wants
     for fqn, values in meta.get("values", {}).items():
         if fqn in position:
             state.setdefault(position[fqn], {}).update({k: from_json_tree(v, {}) for k, v in values.items()})
 
     return {"state": state, "param_groups": groups}
+
+
+def _check_optimizer_shapes(i: int, entries: list[tuple[str, dict[str, Any]]], sharded: dict[str, Any]) -> None:
+    """Per-parameter optimizer state is either a scalar (e.g. Adam's step) or shaped like its parameter."""
+    problems = []
+    for key, entry in entries:
+        p = sharded[key.rsplit("/", 1)[0]]
+        if entry["shape"]:
+            problem = _mismatch(f"{OPTIMIZER_PREFIX}{i}/{key}", entry, p.global_shape, p.dtype)
+            if problem:
+                problems.append(problem)
+    if problems:
+        raise CheckpointError(
+            f"Optimizer {i}'s state in the checkpoint does not match the model's parameters: " + "; ".join(problems)
+        )
 
 
 
@@ -186,40 +217,85 @@ def load_safetensors_into(
     strict: bool = True,
     rename: Callable[[str], str] | None = None,
 ) -> LoadResult:
-    """Load a full ``.safetensors`` model file (a consolidated checkpoint, a Hugging Face model file) into a model
-    that ``ShardStrategy`` has sharded; each rank reads only its rows. ``prefix`` is prepended to the file's keys
-    to match the module's ``state_dict`` keys (e.g. ``"model."`` when the LightningModule holds the network as
-    ``self.model``), after ``rename`` (if given) maps each file key. Returns the missing and unexpected keys.
-    Collective: every rank must call it, e.g. in ``on_fit_start``."""
-    from safetensors import safe_open
+    """Load full model weights in safetensors form into a model that ``ShardStrategy`` (or ``shard_model``) has
+    sharded; each rank reads only its rows of each tensor, opening each file once. Collective: every rank must call
+    it, e.g. in ``on_fit_start``.
 
+    ``path`` is one ``.safetensors`` file (a consolidated checkpoint, a Hugging Face model file), a Hugging Face
+    ``*.safetensors.index.json`` (its ``weight_map`` names the file of each tensor), or a directory holding either
+    as ``save_pretrained`` writes it (``model.safetensors.index.json`` is preferred to ``model.safetensors``).
+    ``prefix`` is prepended to the file's keys to match the module's ``state_dict`` keys (e.g. ``"model."`` when
+    the LightningModule holds the network as ``self.model``), after ``rename`` (if given) maps each file key.
+    A tied weight the files store once (GPT-2's ``lm_head.weight``) is loaded through the name they store.
+    The files are validated before any tensor data is read (see docs/checkpoint_format.md). Returns the missing
+    and unexpected keys."""
     engine = sharded_module_of(module)
     if engine is None:
         raise CheckpointError(
             "load_safetensors_into() needs the model ShardStrategy has sharded (the LightningModule after the"
             " Trainer set it up, e.g. from on_fit_start); this module is not sharded."
         )
+    directory, tensors = agree(lambda: _safetensors_tensors(Path(path)))
+    index = {"tensors": {MODEL_PREFIX + prefix + (rename(key) if rename else key): e for key, e in tensors.items()}}
+    return load_model(engine, module, directory, index, strict=strict)
 
-    path = Path(path)
+
+HF_INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def _safetensors_tensors(path: Path) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """The directory and the validated tensor entries (as in a checkpoint index, keyed by the file's keys) of a
+    ``.safetensors`` file, a Hugging Face index, or a directory holding either."""
+    if path.is_dir():
+        found = [path / name for name in ("model" + HF_INDEX_SUFFIX, "model.safetensors") if (path / name).is_file()]
+        if not found:
+            raise CheckpointError(
+                f"{path} holds neither model{HF_INDEX_SUFFIX} nor model.safetensors; pass the file itself."
+            )
+        path = found[0]
+    directory = path.parent
+    if path.name.endswith(HF_INDEX_SUFFIX):
+        weight_map = _read_weight_map(path)
+    elif path.is_file():
+        weight_map = None
+    else:
+        raise CheckpointError(f"Cannot read the safetensors file {path}: it does not exist.")
+    names = sorted(set(weight_map.values())) if weight_map is not None else [path.name]
+    missing = [name for name in names if not member_path(directory, name).is_file()]
+    if missing:
+        raise CheckpointError(f"{path} refers to files missing from {directory}: {missing}.")
+    sizes = {name: (directory / name).stat().st_size for name in names}
+    headers = {name: read_safetensors_header(directory / name, sizes[name]) for name in names}
+    if weight_map is None:
+        weight_map = dict.fromkeys(headers[path.name], path.name)
+    tensors = {}
+    for key, name in weight_map.items():
+        info = headers[name].get(key)
+        if info is None:
+            raise CheckpointError(f"{path}: {key!r} is mapped to {directory / name}, which does not hold it.")
+        dtype = dtype_from_name_safetensors(directory / name, key, info["dtype"])
+        rows = info["shape"][0] if info["shape"] else 1
+        tensors[key] = {"shape": info["shape"], "dtype": dtype_name(dtype),
+                        "pieces": [{"file": name, "key": key, "rows": [0, rows]}]}
+    validate_tensors(directory, tensors, sizes)
+    return directory, tensors
+
+
+def _read_weight_map(path: Path) -> dict[str, str]:
     try:
-        with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
-            shapes = {k: list(f.get_slice(k).get_shape()) for k in keys}
-            dtypes = {k: str(f.get_slice(k).get_dtype()) for k in keys}
-    except Exception as err:  # noqa: BLE001 - a damaged or missing file: name it
-        raise CheckpointError(f"Cannot read the safetensors file {path}: {err}") from None
-    from lightning_shard.checkpoint.format import dtype_name
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} is not a safetensors index with a 'weight_map' ({err}).") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path}: 'weight_map' must map each tensor name to a file name.")
+    return weight_map
 
-    index: dict[str, Any] = {"tensors": {}}
-    for key in keys:
-        dtype = _SAFETENSORS_TO_TORCH.get(dtypes[key])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {dtypes[key]}.")
-        index["tensors"][MODEL_PREFIX + prefix + (rename(key) if rename else key)] = {
-            "shape": shapes[key], "dtype": dtype_name(dtype),
-            "pieces": [{"file": path.name, "key": key, "rows": [0, shapes[key][0] if shapes[key] else 1]}],
-        }
-    return load_model(engine, module, path.parent, index, strict=strict)
+
+def dtype_from_name_safetensors(path: Path, key: str, code: str) -> torch.dtype:
+    dtype = _SAFETENSORS_TO_TORCH.get(code)
+    if dtype is None:
+        raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {code}.")
+    return dtype
 
 
 _SAFETENSORS_TO_TORCH = {

@@ -6,6 +6,8 @@ reports success (one all-gather of small status records), rank 0 writes the inde
 existing checkpoint at the target aside, renames the temporary directory into place and deletes
 the old one. If any rank fails while writing, every rank raises the failure and the temporary
 directory is removed: the checkpoint that was at the target before stays untouched and loadable.
+A save killed outright (SIGKILL, a node lost) leaves its hidden temporary directory behind; the
+next successful save into the same parent directory removes it (``remove_stale_temporaries``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,12 +37,11 @@ from lightning_shard.checkpoint.format import (
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
-    SafetensorsStreamWriter,
     dtype_name,
-    sha256_file,
     shard_file_name,
-    to_json_tree,
 )
+from lightning_shard.checkpoint.trainer_state import to_json_tree
+from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.policies import parse_choice
 from lightning_shard.engine.sharded_module import ShardedModule
@@ -67,7 +69,20 @@ def save_checkpoint_dir(
     layout: StateDictType,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a checkpoint directory at ``path``. Collective."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    prepared = prepare_save(engine, module, optimizers, checkpoint, path, layout)
+    prepared.write(prepared.plan.write_local)
+
+
+def prepare_save(
+    engine: ShardedModule,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    checkpoint: dict[str, Any],
+    path: Path,
+    layout: StateDictType,
+) -> PreparedSave:
+    """The part of a save every rank must do together on the default group: agree on the temporary directory and
+    turn the trainer state into JSON. Collective."""
     checkpoint = dict(checkpoint)
     checkpoint.pop("state_dict", None)
     with_optimizers = checkpoint.pop("optimizer_states", None) is not None
@@ -76,16 +91,33 @@ def save_checkpoint_dir(
     trainer_state = agree(lambda: to_json_tree(checkpoint, tensors))  # unstorable values fail on every rank
     writer = _ShardedWriter if layout is StateDictType.SHARDED else _FullWriter
     plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp)
-    try:
-        records = gather_records(agree(plan.write_local))
-        # Rank 0 finishes the directory; agree() so that a failure there is raised on every rank, not a hang.
-        agree(lambda: _finish(tmp, path, plan.index(records, layout), trainer_state, tensors) if rank == 0 else None)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return PreparedSave(plan, path, layout, trainer_state, tensors)
 
 
+class PreparedSave:
+    """A save whose shared decisions are made: ``write`` writes this rank's file and, with every rank's record,
+    rank 0 finishes the directory (see [Note: atomic checkpoint saves])."""
+
+    def __init__(
+        self, plan: _Plan, path: Path, layout: StateDictType, trainer_state: Any, tensors: dict[str, Tensor]
+    ) -> None:
+        self.plan, self.path, self.layout = plan, path, layout
+        self.trainer_state, self.tensors = trainer_state, tensors
+
+    def write(self, write_local: Callable[[], dict[str, Any]], group: Any = None) -> None:
+        """Run ``write_local`` (this rank's file) and finish the directory, agreeing over ``group``. Collective."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        tmp = self.plan.tmp
+        try:
+            records = gather_records(agree(write_local, group), group)
+            index = self.plan.index(records, self.layout)
+            # Rank 0 finishes the directory; agree() so that a failure there is raised on every rank, not a hang.
+            finish = lambda: _finish(tmp, self.path, index, self.trainer_state, self.tensors)  # noqa: E731
+            agree(lambda: finish() if rank == 0 else None, group)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _finish(tmp: Path, path: Path, index: dict[str, Any], trainer_state: Any, tensors: dict[str, Tensor]) -> None:
@@ -104,6 +136,22 @@ def _finish(tmp: Path, path: Path, index: dict[str, Any], trainer_state: Any, te
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    remove_stale_temporaries(path.parent)
+
+
+_STALE = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{12}$")  # the hidden names saves give their temporary directories
+
+
+def remove_stale_temporaries(parent: Path) -> list[str]:
+    """Remove what a killed save left in ``parent``: hidden ``.<name>.tmp-<id>`` / ``.<name>.old-<id>`` directories
+    (only ours, recognised by that pattern; never a link, never anything else). Called by rank 0 after a successful
+    save, when no other save of this job is in progress; returns the names removed."""
+    removed = []
+    for entry in parent.iterdir():
+        if _STALE.match(entry.name) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,6 +179,14 @@ class _Plan:
         owned = {f for p in engine.sharded_params() for f in p.fqns}
         self.buffers = [(k, v) for k, v in state.items() if k not in owned]
         self.optimizers = [_optimizer_plan(engine, opt, i) for i, opt in enumerate(optimizers)]
+
+    def write_local(self) -> dict[str, Any]:
+        """Write what this rank holds into the temporary directory; return its record for the index."""
+        raise NotImplementedError
+
+    def index(self, records: list[dict[str, Any]], layout: StateDictType) -> dict[str, Any]:
+        """The index from every rank's record."""
+        raise NotImplementedError
 
     def index_base(self, layout: StateDictType) -> dict[str, Any]:
         mesh = self.engine.mesh
@@ -193,7 +249,8 @@ class _ShardedWriter(_Plan):
     """Each rank of replica 0 writes its rows of every parameter and per-parameter optimizer tensor; rank 0 also
     writes buffers and scalar optimizer state."""
 
-    def _local_tensors(self) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
+    def local_tensors(self) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
+        """This rank's (key, tensor, rows) to write: views of the shards, optimizer state and buffers."""
         mesh = self.engine.mesh
         if mesh.replicate_rank != 0:
             return []  # replicas hold identical shards: replica 0 writes them
@@ -212,8 +269,11 @@ class _ShardedWriter(_Plan):
         return out
 
     def write_local(self) -> dict[str, Any]:
+        return self.write_tensors(self.local_tensors())
+
+    def write_tensors(self, local: list[tuple[str, Tensor, tuple[int, int] | None]]) -> dict[str, Any]:
+        """Write ``local`` (``local_tensors()`` or a copy of them) as this rank's file; return its record."""
         self.tmp.mkdir(parents=True, exist_ok=True)
-        local = self._local_tensors()
         if not local:
             return {}
         name = shard_file_name(self.rank, self.world_size)

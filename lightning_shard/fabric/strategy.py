@@ -53,9 +53,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     Takes the same sharding arguments as the Trainer's ``lightning_shard.ShardStrategy`` (``auto_wrap_policy``,
     ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy``,
     ``grad_sync``, ``state_dict_type``, ``cpu_offload``, ``broadcast_buffers``, ``process_group_backend``,
-    ``timeout``), with the same
-    defaults; see that class for what each does. In Fabric, ``grad_sync`` applies to micro-batches run under
-    ``fabric.no_backward_sync(model)``.
+    ``timeout``), with the same defaults; see that class for what each does. In Fabric, ``grad_sync`` applies to
+    micro-batches run under ``fabric.no_backward_sync(model)``.
 
     Set up the model with ``fabric.setup_module(model)`` and create the optimizer from the returned model's
     parameters (this rank's shards) before ``fabric.setup_optimizers(optimizer)``; ``fabric.setup(model,
@@ -144,6 +143,14 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
 
     @override
     def setup_environment(self) -> None:
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        io = self._checkpoint_io
+        if io is not None and type(io) is not TorchCheckpointIO:
+            raise TypeError(
+                f"ShardStrategy writes checkpoints itself (safetensors and JSON from every rank); the CheckpointIO"
+                f" plugin {type(io).__name__} would not be used. Remove it from Fabric's plugins."
+            )
         super().setup_environment()
         self.set_world_ranks()
         self._start_mesh()

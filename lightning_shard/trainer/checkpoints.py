@@ -65,12 +65,19 @@ def remove_checkpoint_dir(path: Path) -> None:
         path.unlink()
 
 
-def refuse_custom_checkpoint_io(io: CheckpointIO | None) -> None:
-    """Checkpoints are written by every rank, not through a CheckpointIO plugin: refuse one that would be ignored."""
+def saves_in_background(io: CheckpointIO | None) -> bool:
+    """Whether the Trainer's CheckpointIO plugin asks for background saves (Lightning's ``AsyncCheckpointIO`` around
+    the default IO). Checkpoints are written by every rank, not through a CheckpointIO plugin, so any other plugin,
+    which would be ignored, is refused."""
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-    if io is not None and type(io) is not TorchCheckpointIO:
-        raise TypeError(
-            f"ShardStrategy writes checkpoints itself (safetensors and JSON from every rank); the CheckpointIO"
-            f" plugin {type(io).__name__} would not be used. Remove it from the Trainer's plugins."
-        )
+    if io is None or type(io) is TorchCheckpointIO:
+        return False
+    if type(io) is AsyncCheckpointIO and type(io.checkpoint_io or TorchCheckpointIO()) is TorchCheckpointIO:
+        return True
+    raise TypeError(
+        f"ShardStrategy writes checkpoints itself (safetensors and JSON from every rank); the CheckpointIO"
+        f" plugin {type(io).__name__} would not be used. Remove it from the Trainer's plugins (AsyncCheckpointIO()"
+        f" around the default IO is supported: it saves in the background)."
+    )

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.checkpoint.save import save_checkpoint_dir
+from lightning_shard.checkpoint.background import BackgroundSaver
+from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
@@ -48,8 +49,8 @@ from lightning_shard.trainer.checkpoints import (
     load_model_state,
     load_optimizer_states,
     read_trainer_checkpoint,
-    refuse_custom_checkpoint_io,
     remove_checkpoint_dir,
+    saves_in_background,
 )
 from lightning_shard.trainer.precision import ShardPrecision, as_shard_precision
 
@@ -138,6 +139,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             broadcast_buffers=broadcast_buffers,
             timeout=timeout,
         )
+        self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]
         self._mesh: ShardMesh | None = None
         self._engine: ShardedModule | None = None
 
@@ -193,6 +195,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        if saves_in_background(self._checkpoint_io) and self.options.state_dict_type is not StateDictType.SHARDED:
+            raise ValueError(
+                "AsyncCheckpointIO saves the sharded layout in the background; state_dict_type='full' gathers every"
+                " tensor on the training's process group. Use state_dict_type='sharded' or remove AsyncCheckpointIO."
+            )
         self.accelerator.setup(trainer)
         self.precision_plugin.set_device(self.root_device.type)
         self.precision_plugin.clip_norm_fn = self._clip_optimizer_grad_norm
@@ -330,11 +337,24 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
                 f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: checkpoints are"
                 f" directories of safetensors files written by every rank, not through a CheckpointIO plugin."
             )
-        refuse_custom_checkpoint_io(self._checkpoint_io)
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(filepath)))
         layout = self.options.state_dict_type
-        save_checkpoint_dir(self.engine, self.lightning_module, self.optimizers, checkpoint, path, layout)
+        args = (self.engine, self.lightning_module, self.optimizers, checkpoint, path, layout)
+        if saves_in_background(self._checkpoint_io) and self._fitting():
+            self._saver.save(*args)  # see [Note: background saves]
+        else:
+            self._saver.wait()
+            save_checkpoint_dir(*args)
+
+    def _fitting(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status.name == "RUNNING"
+
+    @override
+    def on_train_end(self) -> None:
+        """The end of fit waits for a background save in flight; its failure is raised here, on every rank."""
+        self._saver.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -355,6 +375,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint directory (ModelCheckpoint's ``save_top_k``)."""
+        self._saver.wait()  # never remove a directory a background save is finishing
         if self.is_global_zero:
             remove_checkpoint_dir(Path(filepath))
 
@@ -371,6 +392,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         log.debug(f"{type(self).__name__}: tearing down")
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        self._saver.close()
         if self._engine is not None:
             self._engine.reshard_all()
         if self._mesh is not None:

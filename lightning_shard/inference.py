@@ -1,0 +1,97 @@
+"""Load a LightningModule from a checkpoint directory in one process, for inference.
+
+``load_from_checkpoint`` mirrors ``LightningModule.load_from_checkpoint`` (which cannot read a directory): no
+Trainer, no process group. The module is rebuilt from the hyperparameters ``save_hyperparameters()`` stored,
+``configure_model()`` runs, and the trained weights are copied in one full tensor at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lightning as L
+import torch
+
+from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, iter_index_tensors, model_ties, read_rows
+from lightning_shard.checkpoint.load import load_trainer_state
+
+ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
+MapLocation = str | torch.device | dict[str, str] | None
+
+
+def load_from_checkpoint(
+    module_class: type[ModuleT],
+    checkpoint: str | Path,
+    map_location: MapLocation = None,
+    strict: bool = True,
+    **kwargs: Any,
+) -> ModuleT:
+    """Build ``module_class`` from the checkpoint's saved hyperparameters (``kwargs`` override them), run its
+    ``configure_model()``, load the trained weights, and return it in eval mode.
+
+    ``map_location``: the device the module ends on (``None``: CPU; a ``{"from": "to"}`` dict maps ``"cpu"``).
+    ``strict``: a module key missing from the checkpoint, or a checkpoint key the module lacks, raises. Parameters
+    that ``configure_model()`` leaves on the meta device are materialised with ``to_empty`` and filled from
+    the checkpoint; one the checkpoint does not hold is an error whatever ``strict`` says.
+    """
+    directory = Path(checkpoint)
+    state, index = load_trainer_state(directory)
+    device = _device(map_location)
+    hparams = dict(state.get("hyper_parameters") or {})
+    init_kwargs = {**_accepted(module_class, hparams), **kwargs}
+    module = module_class(**init_kwargs)
+    module.configure_model()
+    meta = {k for k, t in module.state_dict(keep_vars=True).items() if t.is_meta}
+    if meta:
+        module.to_empty(device=device)
+    stored = dict(iter_index_tensors(index, MODEL_PREFIX))
+    ties = model_ties(index)
+    available = set(stored) | set(ties)
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in available]
+    unexpected = [k for k in available if k not in own]
+    uninitialised = sorted(k for k in meta if k not in available)
+    if uninitialised:
+        raise CheckpointError(
+            f"configure_model() left these on the meta device and {directory} does not hold them, so they would"
+            f" stay uninitialised: {', '.join(uninitialised)}."
+        )
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading the checkpoint {directory} into {module_class.__name__}:"
+            f" missing keys: {missing}; unexpected keys: {unexpected}. Pass strict=False to load the rest."
+        )
+    with torch.no_grad():
+        for key, target in own.items():
+            if key not in available:
+                continue
+            entry = stored[ties.get(key, key)]
+            rows = entry["shape"][0] if entry["shape"] else 1
+            value = read_rows(directory, entry, 0, rows).reshape(entry["shape"])
+            if tuple(target.shape) != tuple(value.shape):
+                raise RuntimeError(
+                    f"{key}: the checkpoint holds shape {list(value.shape)}, {module_class.__name__} has"
+                    f" {list(target.shape)}."
+                )
+            target.copy_(value)
+            del value
+    module.to(device)
+    return module.eval()
+
+
+def _device(map_location: MapLocation) -> torch.device:
+    if map_location is None:
+        return torch.device("cpu")
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get("cpu", "cpu"))
+    return torch.device(map_location)
+
+
+def _accepted(module_class: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters ``module_class`` takes (all of them when it takes ``**kwargs``), as Lightning does."""
+    params = inspect.signature(module_class).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return hparams
+    return {k: v for k, v in hparams.items() if k in params}

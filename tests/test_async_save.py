@@ -1,0 +1,115 @@
+"""Background saves with ``Trainer(plugins=[AsyncCheckpointIO()])``: the checkpoint resumes exactly, at most one save
+is in flight, a failure in the background is raised on every rank, and plugins that would be ignored are refused."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch.utils.data import DataLoader
+
+from lightning_shard import ShardStrategy
+from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
+from tests.checkpoint_fits import fit
+from tests.models import LitModel, make_dataset
+
+_WORKER = "lightning_shard-background-save"
+
+
+def _running() -> int:
+    return sum(t.name == _WORKER and t.is_alive() for t in threading.enumerate())
+
+
+class _CountingStrategy(ShardStrategy):
+    """Records how many background saves run right after each save call returns to the training loop."""
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        super().save_checkpoint(*args, **kwargs)
+        self.in_flight.append(_running())
+
+
+def fit_async(rank: int, world_size: int, ckpt_dir: str, epochs: int, every_step: bool = False) -> dict[str, Any]:
+    if not every_step:
+        return fit(rank, world_size, ckpt_dir, epochs, trainer_kwargs={"plugins": [AsyncCheckpointIO()]})
+    L.seed_everything(0)
+    strategy = _CountingStrategy(auto_wrap_policy={"GPTBlock"})
+    strategy.in_flight = []
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy,
+        max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        plugins=[AsyncCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=2, monitor="step",
+                                   mode="max")],
+    )
+    trainer.fit(LitModel("gpt"), DataLoader(make_dataset("gpt"), batch_size=6, shuffle=False))
+    return {"in_flight": strategy.in_flight, "after_fit": _running()}
+
+
+def test_a_background_save_resumes_to_the_uninterrupted_losses(tmp_path: Path) -> None:
+    uninterrupted = run_on_ranks(fit, 2, str(tmp_path / "full"), 2)
+    first = run_on_ranks(fit_async, 2, str(tmp_path / "first"), 1)
+    resumed = run_on_ranks(fit, 2, str(tmp_path / "resumed"), 2, str(tmp_path / "first" / "last.ckpt"))
+    for full, part1, part2 in zip(uninterrupted, first, resumed):
+        assert part1["losses"] + part2["losses"] == full["losses"]  # same world size: bit for bit
+
+
+def test_at_most_one_save_is_in_flight_and_saves_do_run_in_the_background(tmp_path: Path) -> None:
+    for r in run_on_ranks(fit_async, 2, str(tmp_path), 1, True):
+        # Training resumed while each save was being written, and never with two saves running.
+        assert r["in_flight"] and set(r["in_flight"]) == {1}, r["in_flight"]
+        assert r["after_fit"] == 0  # the end of fit waited for the last one
+    kept = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert len(kept) == 2 and all((tmp_path / k / "index.json").is_file() for k in kept), kept  # save_top_k=2
+
+
+def fail_in_background(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    from lightning_shard.checkpoint import save
+
+    original = save._ShardedWriter.write_tensors
+
+    def broken(self: Any, local: Any) -> Any:
+        if rank == 1 and threading.current_thread().name == _WORKER:
+            raise OSError("No space left on device")
+        return original(self, local)
+
+    save._ShardedWriter.write_tensors = broken  # type: ignore[method-assign]
+    try:
+        return fit_async(rank, world_size, ckpt_dir, 1)
+    finally:
+        save._ShardedWriter.write_tensors = original  # type: ignore[method-assign]
+
+
+def test_a_failure_in_the_background_is_raised_on_every_rank_and_leaves_no_directory(tmp_path: Path) -> None:
+    with pytest.raises(RankFailure) as raised:
+        run_on_ranks(fail_in_background, 2, str(tmp_path))
+    for rank, outcome in raised.value.outcomes.items():
+        assert outcome.status is RankStatus.RAISED, (rank, outcome)
+        assert "rank 1: OSError: No space left on device" in outcome.error, (rank, outcome.error)
+    assert not (tmp_path / "last.ckpt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp")]  # nothing half-written left
+
+
+def other_io(rank: int, world_size: int, ckpt_dir: str) -> str:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class Elsewhere(TorchCheckpointIO):
+        pass
+
+    try:
+        L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=ShardStrategy(), max_steps=1, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, plugins=[Elsewhere()],
+        ).fit(LitModel("gpt"), DataLoader(make_dataset("gpt"), batch_size=6))
+    except TypeError as err:
+        return str(err)
+    return ""
+
+
+def test_a_checkpoint_io_plugin_that_would_be_ignored_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for message in run_on_ranks(other_io, 2, str(tmp_path)):
+        assert "the CheckpointIO plugin Elsewhere would not be used" in message

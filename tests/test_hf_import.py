@@ -1,0 +1,121 @@
+"""Hugging Face weights in, shard-wise: a ``transformers`` GPT-2 written by ``save_pretrained`` (several files and
+an index, or one file) loads with ``load_safetensors_into`` into a model built on the meta device and sharded on 2
+ranks, and its logits equal the Hugging Face model's own. GPT-2 stores its tied LM head once (as
+``transformer.wte.weight``); strict loading must not call ``lm_head.weight`` missing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import Tensor, nn
+
+from lightning_shard.testing import run_on_ranks
+
+TOKENS = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(7))
+
+
+def gpt2_config() -> Any:
+    return transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+
+
+class Holder(nn.Module):
+    """What a LightningModule looks like to the loader: the network under ``self.model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = transformers.GPT2LMHeadModel(gpt2_config())
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One GPT-2 saved twice: in several files with an index, and as one ``model.safetensors``; its logits."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(gpt2_config()).eval()
+    model.save_pretrained(root / "sharded", max_shard_size="40KB")
+    model.save_pretrained(root / "single")
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    return {"root": root, "logits": logits}
+
+
+def give_conv1d_reset_parameters(net: nn.Module) -> None:
+    """transformers' ``Conv1D`` has no ``reset_parameters()``, which materialising a meta-device model calls; any
+    initialisation does, since the loaded weights overwrite it."""
+    for m in net.modules():
+        if isinstance(m, transformers.pytorch_utils.Conv1D):
+            m.reset_parameters = lambda m=m: (nn.init.normal_(m.weight, std=0.02), nn.init.zeros_(m.bias))
+
+
+def load_and_run(rank: int, world_size: int, path: str, prefix: str) -> dict[str, Any]:
+    """Build GPT-2 on the meta device, shard it, load ``path`` into it; the logits and the load's report."""
+    from lightning_shard import load_safetensors_into
+    from lightning_shard.engine import shard_model
+
+    with torch.device("meta"):
+        net: nn.Module = Holder() if prefix else transformers.GPT2LMHeadModel(gpt2_config())
+    give_conv1d_reset_parameters(net)
+    engine = shard_model(net, auto_wrap_policy={"GPT2Block"}, device="cpu")
+    result = load_safetensors_into(net, path, prefix=prefix, strict=True)
+    gpt = net.model if prefix else net
+    gpt.eval()
+    with torch.no_grad():
+        logits: Tensor = gpt(TOKENS).logits
+    sharded = all(p.sharded.numel() < p.global_shape.numel() for p in engine.sharded_params())
+    return {"logits": logits, "missing": result.missing_keys, "unexpected": result.unexpected_keys,
+            "sharded": sharded}
+
+
+def test_save_pretrained_writes_several_files_and_an_index(pretrained: dict[str, Any]) -> None:
+    index = json.loads((pretrained["root"] / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2  # the bar below is met with a real multi-file layout
+    assert "lm_head.weight" not in index["weight_map"]  # tied: stored once
+
+
+@pytest.mark.parametrize("form", ["directory", "index", "file"])
+def test_logits_equal_the_hugging_face_model(pretrained: dict[str, Any], form: str) -> None:
+    path = {
+        "directory": pretrained["root"] / "sharded",
+        "index": pretrained["root"] / "sharded" / "model.safetensors.index.json",
+        "file": pretrained["root"] / "single" / "model.safetensors",
+    }[form]
+    for r in run_on_ranks(load_and_run, 2, str(path), ""):
+        assert r["sharded"] and r["missing"] == [] and r["unexpected"] == []
+        torch.testing.assert_close(r["logits"], pretrained["logits"])
+
+
+def test_prefix_loads_into_a_module_holding_the_network(pretrained: dict[str, Any]) -> None:
+    for r in run_on_ranks(load_and_run, 2, str(pretrained["root"] / "sharded"), "model."):
+        assert r["missing"] == [] and r["unexpected"] == []
+        torch.testing.assert_close(r["logits"], pretrained["logits"])
+
+
+def count_opens(rank: int, world_size: int, path: str) -> dict[str, int]:
+    """How many times each file is opened by safetensors while one rank loads ``path``."""
+    import safetensors
+
+    opened: dict[str, int] = {}
+    real = safetensors.safe_open
+
+    def recording(name: str, *args: Any, **kwargs: Any) -> Any:
+        opened[Path(name).name] = opened.get(Path(name).name, 0) + 1
+        return real(name, *args, **kwargs)
+
+    safetensors.safe_open = recording
+    try:
+        load_and_run(rank, world_size, path, "")
+    finally:
+        safetensors.safe_open = real
+    return opened
+
+
+def test_each_file_is_opened_once(pretrained: dict[str, Any]) -> None:
+    directory = pretrained["root"] / "sharded"
+    files = set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values())
+    for opened in run_on_ranks(count_opens, 2, str(directory)):
+        assert opened == dict.fromkeys(files, 1)
