@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import unittest.mock
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -257,24 +258,50 @@ def test_meta_device_init_through_reset_parameters() -> None:
 
 
 class NoReset(nn.Module):
+    """A layer that cannot initialise itself (like transformers' Conv1D): no reset_parameters()."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.empty(3))
+        self.w = nn.Parameter(torch.empty(3, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.w
 
 
-def meta_without_reset(rank: int, world_size: int) -> str:
+def meta_without_reset(rank: int, world_size: int, path: str) -> dict:
+    """Shard a meta-device model with a NoReset unit; forward before and after loading its weights from a file."""
+    from safetensors.torch import save_file
+
+    from lightning_shard import load_safetensors_into
+
+    weights = {"1.w": torch.arange(6.0).reshape(3, 2)}
+    if rank == 0:
+        save_file(weights, path)
+    dist.barrier()
+    torch.manual_seed(0)
     with torch.device("meta"):
-        model = nn.Sequential(NoReset())
+        model = nn.Sequential(nn.Linear(2, 3), NoReset())
+    engine = _shard(model, "FULL_SHARD", {NoReset, nn.Linear})  # no longer refused at setup
+    x = torch.ones(1, 2)
     try:
-        _shard(model)
-    except TypeError as err:
-        return str(err)
-    return ""
+        model(x)
+        before = ""
+    except RuntimeError as err:
+        before = str(err)
+    load_safetensors_into(model, path, strict=False)
+    out = model(x)
+    p = next(sp for sp in engine.sharded_params() if sp.fqn == "1.w")
+    return {"before": before, "loaded": engine.gather_full(p, p.sharded), "weights": weights["1.w"],
+            "finite": bool(out.isfinite().all()), "left": dict(engine.uninitialized)}
 
 
-def test_meta_module_without_reset_parameters_is_named() -> None:
-    for message in run_on_ranks(meta_without_reset, 2):
-        assert "0 (NoReset)" in message and "reset_parameters()" in message
+def test_a_meta_module_without_reset_parameters_is_refused_at_forward_until_loaded(tmp_path: Path) -> None:
+    for message_and_state in run_on_ranks(meta_without_reset, 2, str(tmp_path / "w.safetensors")):
+        before = message_and_state["before"]
+        assert "1.w (1: NoReset)" in before and "reset_parameters()" in before and "load_safetensors_into" in before
+        assert "0.weight" not in before  # nn.Linear initialised itself
+        torch.testing.assert_close(message_and_state["loaded"], message_and_state["weights"])
+        assert message_and_state["finite"] and message_and_state["left"] == {}
 
 
 def partly_meta(rank: int, world_size: int) -> dict:

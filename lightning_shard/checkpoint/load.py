@@ -85,6 +85,7 @@ def load_model(
             available |= set(p.fqns)
     result = _key_check(module, available, strict)
     agree(lambda: _load_model_rows(engine, module, directory, index, ties))
+    engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
     return result
 
 

@@ -102,18 +102,7 @@ def _lowest_common_unit(unit_ids: list[int], parents: dict[int, int | None]) -> 
     return common[0]
 
 
-def check_meta_modules_resettable(root: nn.Module, meta_modules: dict[int, list[nn.Module]]) -> None:
-    names = {id(m): n or "<root>" for n, m in root.named_modules()}
-    missing = [
-        f"{names.get(id(m), '?')} ({type(m).__name__})"
-        for mods in meta_modules.values()
-        for m in mods
-        if not callable(getattr(m, "reset_parameters", None))
-    ]
-    if missing:
-        raise TypeError(
-            "These modules have parameters on the meta device but no reset_parameters() method: "
-            + ", ".join(missing)
-            + ". ShardStrategy materialises a meta-device model one unit at a time and initialises it by calling"
-            " reset_parameters() on each module that owns parameters: define it on these modules."
-        )
+def without_reset_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` cannot initialise its own parameters (no ``reset_parameters()``, e.g. transformers'
+    ``Conv1D``): its meta-device parameters stay uninitialised until weights are loaded."""
+    return not callable(getattr(module, "reset_parameters", None))

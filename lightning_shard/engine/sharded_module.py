@@ -1,5 +1,14 @@
 """Apply sharding to a module tree and own the per-iteration state that spans units.
 
+[Note: parameters nothing initialises]
+A model built on the meta device is materialised one unit at a time and initialised by each owning
+module's ``reset_parameters()``. A module without one (transformers' ``Conv1D``, many custom layers)
+cannot initialise its parameters, which is fine when pretrained weights are about to be loaded: its
+shards are materialised uninitialised and recorded in ``ShardedModule.uninitialized``. Loading
+(``load_safetensors_into``, a checkpoint, ``fabric.load_raw``) removes what it fills; any forward of
+a unit while something is left raises on every rank, naming each such parameter, so uninitialised
+memory is never trained on.
+
 ``shard_module`` takes the units ``planning`` chose (see [Note: which unit owns a parameter] there),
 initialises their shards, syncs the buffers (``buffers``) and registers the hooks; ``ShardedModule``
 is the engine of one model from then on.
@@ -30,7 +39,7 @@ backward uses it without a second all-gather. At most one unit beyond the runnin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -43,7 +52,7 @@ from lightning_shard.engine.buffers import BufferSync, materialize_and_sync_buff
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision, parse_dtype
 from lightning_shard.engine.param_shard import ShardedParam
-from lightning_shard.engine.planning import check_meta_modules_resettable, plan_units
+from lightning_shard.engine.planning import plan_units, without_reset_parameters
 from lightning_shard.engine.policies import ShardingStrategy, WrapPolicy
 from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
 
@@ -68,9 +77,11 @@ class ShardedModule:
         self._position: dict[int, int] = {}
         self._pending_reduction: collectives.Pending | None = None
         self.buffer_sync = BufferSync(root, mesh.world_size)  # see [Note: buffers follow DDP]
+        # Parameters built on the meta device by modules without reset_parameters(), not loaded yet: fqn -> where.
+        self.uninitialized: dict[str, str] = {}
         for unit in units:
             unit.on_first_pre_backward = self._queue_end_of_backward
-            unit.on_pre_forward = self._reshard_deferred
+            unit.on_pre_forward = self._before_unit_forward
             unit.on_reshard_after_forward = self._defer_reshard
             unit.on_forward_started = self._prefetch_next_forward
             unit.on_pre_backward = self._prefetch_next_backward
@@ -86,6 +97,28 @@ class ShardedModule:
             yield from unit.params
 
     # Runtime #
+
+    def _before_unit_forward(self, unit: ShardUnit) -> None:
+        self.check_initialized()
+        self._reshard_deferred(unit)
+
+    def check_initialized(self) -> None:
+        """Refuse to run a model with parameters that nothing initialised (see [Note: parameters nothing
+        initialises]); the same on every rank, before any collective."""
+        if self.uninitialized:
+            raise RuntimeError(
+                "These parameters were built on the meta device by modules without reset_parameters() and have not"
+                " been loaded, so they hold uninitialised memory: " + ", ".join(self.uninitialized.values()) + "."
+                " Load them before the first forward (load_safetensors_into(), e.g. from on_fit_start, or"
+                " fabric.load_raw() after setup_module), or define reset_parameters() on those modules."
+            )
+
+    def mark_initialized(self, fqns: Iterable[str]) -> None:
+        """The parameters named ``fqns`` (any of a tied parameter's names) now hold loaded values."""
+        loaded = set(fqns)
+        for p in self.sharded_params():
+            if p.fqn in self.uninitialized and loaded.intersection(p.fqns):
+                del self.uninitialized[p.fqn]
 
     def _defer_reshard(self, unit: ShardUnit) -> None:
         self._reshard_deferred(unit)
@@ -237,12 +270,18 @@ def shard_module(
             sp.compute_dtype = compute if compute != param.dtype else None
         assignment[unit_id].append(sp)
         full[id(sp)] = param
+    uninitialized: dict[str, str] = {}  # see [Note: parameters nothing initialises]
+    names = {id(m): n or "<root>" for n, m in root.named_modules()}
     for unit_id, sps in assignment.items():
         for sp in sps:
+            if not full[id(sp)].is_meta:
+                continue
+            if all(without_reset_parameters(m) for m, _ in sp.owners):
+                owner = sp.owners[0][0]
+                uninitialized[sp.fqn] = f"{sp.fqn} ({names.get(id(owner), '?')}: {type(owner).__name__})"
             for m, _ in sp.owners:
-                if full[id(sp)].is_meta and all(m is not x for x in meta_modules[unit_id]):
+                if not without_reset_parameters(m) and all(m is not x for x in meta_modules[unit_id]):
                     meta_modules[unit_id].append(m)
-    check_meta_modules_resettable(root, meta_modules)
 
     reshard = strategy.reshards_after_forward
     units: list[ShardUnit] = []
@@ -262,6 +301,7 @@ def shard_module(
     full.clear()
     materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
     engine = ShardedModule(root, units, mesh, strategy)
+    engine.uninitialized = uninitialized
     _register_hooks(engine, mixed_precision)
     return engine
 
@@ -282,7 +322,7 @@ def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | Non
         root_unit.module.register_forward_hook(_cast_floating(output_dtype))
     owners = {id(m): m for p in root_unit.params for m, _ in p.owners if m is not root_unit.module}
     for module in owners.values():
-        module.register_forward_pre_hook(_gather_root_if_needed(root_unit))
+        module.register_forward_pre_hook(_gather_root_if_needed(engine))
 
 
 def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | None):  # noqa: ANN202
@@ -323,9 +363,12 @@ def _cast_floating(dtype: torch.dtype):  # noqa: ANN202
     return hook
 
 
-def _gather_root_if_needed(root_unit: ShardUnit):  # noqa: ANN202
+def _gather_root_if_needed(engine: ShardedModule):  # noqa: ANN202
+    root_unit = engine.root_unit
+
     def hook(module: nn.Module, args: tuple) -> None:
         if root_unit.is_sharded:
+            engine.check_initialized()
             root_unit.unshard()
             if torch.is_grad_enabled():
                 root_unit.expect_backward()
