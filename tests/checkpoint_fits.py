@@ -2,31 +2,42 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_shard import ShardStrategy
-from tests.fits import full_params_shard
+from lightning_shard.engine import sharded_module_of
+from tests.fits import full_params
 from tests.models import LitModel, make_dataset
 
 
-def full_state(strategy: ShardStrategy) -> dict[str, Any]:
-    """Every parameter and per-parameter optimizer tensor in full, by name (collective)."""
-    engine = strategy.engine
-    params = full_params_shard(strategy)
+def module_full_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Every parameter (tied ones under each of their names) and per-parameter optimizer tensor of a sharded
+    ``module`` in full, by name (collective)."""
+    engine = sharded_module_of(module)
+    assert engine is not None
+    params = full_params(engine)
     by_shard = {id(p.sharded): p for p in engine.sharded_params()}
     optim: dict[str, torch.Tensor] = {}
-    for i, optimizer in enumerate(strategy.optimizers):
+    for i, optimizer in enumerate(optimizers):
         for q, state in optimizer.state.items():
             p = by_shard[id(q)]
             for name, value in state.items():
                 full = engine.gather_full(p, value) if value.dim() > 0 else value.clone()
                 optim[f"{i}/{p.fqn}/{name}"] = full
     return {"params": params, "optimizer": optim}
+
+
+def full_state(strategy: ShardStrategy) -> dict[str, Any]:
+    """``module_full_state`` of the Trainer's model and optimizers (collective)."""
+    assert strategy.lightning_module is not None
+    return module_full_state(strategy.lightning_module, strategy.optimizers)
 
 
 class Snapshots(LitModel):

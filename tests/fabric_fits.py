@@ -13,6 +13,7 @@ from lightning.fabric.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from lightning_shard.fabric import ShardStrategy
+from tests.checkpoint_fits import module_full_state
 from tests.models import GPTBlock, TinyGPT, make_dataset
 
 DATA_STEPS = 12  # optimizer steps of data every run draws from
@@ -112,23 +113,6 @@ def fabric_fit(rank: int, world_size: int, run: FabricRun) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "local_losses": local_losses, "precision": precision}
 
 
-def engine_full_state(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    """Every parameter and per-parameter optimizer tensor of a sharded ``module`` in full, by name (collective)."""
-    from lightning_shard.engine import sharded_module_of
-
-    engine = sharded_module_of(module)
-    full = {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
-    params = {fqn: full[p.fqn] for p in engine.sharded_params() for fqn in p.fqns}  # tied weights under every name
-    by_shard = {id(p.sharded): p for p in engine.sharded_params()}
-    optim: dict[str, Tensor] = {}
-    for i, optimizer in enumerate(optimizers):
-        for q, state in optimizer.state.items():
-            p = by_shard[id(q)]
-            for name, value in state.items():
-                optim[f"{i}/{p.fqn}/{name}"] = engine.gather_full(p, value) if value.dim() > 0 else value.clone()
-    return {"params": params, "optimizer": optim}
-
-
 def fabric_lit_module(rank: int, world_size: int, load_from: str | None, steps: int, save_to: str | None) -> dict:
     """The Trainer tests' LightningModule set up in Fabric: optionally load a checkpoint (Trainer- or Fabric-written),
     train ``steps`` steps, optionally save; the full state after loading and at the end."""
@@ -142,7 +126,7 @@ def fabric_lit_module(rank: int, world_size: int, load_from: str | None, steps: 
     remainder: dict[str, Any] = {}
     if load_from is not None:
         remainder = fabric.load(load_from, {"model": module, "optimizer": optimizer})
-    loaded = engine_full_state(module, [optimizer.optimizer])
+    loaded = module_full_state(module, [optimizer.optimizer])
     batches = iter(fabric.setup_dataloaders(loader("gpt", batch_size=12 // world_size)))
     for _ in range(steps):
         x, y = next(batches)
@@ -152,7 +136,7 @@ def fabric_lit_module(rank: int, world_size: int, load_from: str | None, steps: 
         optimizer.zero_grad()
     if save_to is not None:
         fabric.save(save_to, {"model": module, "optimizer": optimizer, "step": steps})
-    return {"loaded": loaded, "end": engine_full_state(module, [optimizer.optimizer]), "remainder": sorted(remainder)}
+    return {"loaded": loaded, "end": module_full_state(module, [optimizer.optimizer]), "remainder": sorted(remainder)}
 
 
 class SamplingGPT(TinyGPT):
@@ -200,11 +184,11 @@ def fabric_surface(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     if fabric.global_rank == 0:
         consolidate(f"{tmp}/ckpt", plain)
     fabric.barrier()
-    trained = engine_full_state(module, [])["params"]
+    trained = module_full_state(module, [])["params"]
     fabric.seed_everything(1)
     other = fabric.setup_module(SamplingGPT())  # different initial weights
     fabric.load_raw(plain, other)
-    reloaded = engine_full_state(other, [])["params"]
+    reloaded = module_full_state(other, [])["params"]
     return {
         "on_meta": on_meta, "optimizer_holds_shards": optimizer_holds_shards,
         "largest_unit_bytes": largest_unit, "model_bytes": model_bytes,

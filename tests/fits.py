@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_shard import ShardStrategy
+from lightning_shard.engine import ShardedModule
 from tests.models import LitModel, block_class, lit_model, loader
 
 
@@ -44,11 +45,15 @@ def cli_with_strategy_args(tmp_path: Any, init_args: dict[str, Any]) -> Any:
     return LightningCLI(LitModel, run=False, args=["--config", str(path)], save_config_callback=None)
 
 
-def full_params_shard(strategy: ShardStrategy) -> dict[str, torch.Tensor]:
+def full_params(engine: ShardedModule) -> dict[str, torch.Tensor]:
     """Every parameter in full under each of its names (tied weights: gathered once, listed under every name)."""
-    engine = strategy.engine
     full = {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
     return {fqn: full[p.fqn] for p in engine.sharded_params() for fqn in p.fqns}
+
+
+def full_params_shard(strategy: ShardStrategy) -> dict[str, torch.Tensor]:
+    """``full_params`` of the Trainer strategy's model (collective)."""
+    return full_params(strategy.engine)
 
 
 def fit_shard(

@@ -11,20 +11,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_shard.checkpoint import load_checkpoint, save_checkpoint
-from lightning_shard.engine import clip_grad_norm_, shard_model, sharded_module_of
+from lightning_shard.engine import clip_grad_norm_, shard_model
 from lightning_shard.testing import run_on_ranks
+from tests.checkpoint_fits import module_full_state
 from tests.models import GPTBlock, TinyGPT, make_dataset
 
 
 def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = make_dataset("gpt")[rank * 3 : rank * 3 + 3]
     return x, y
-
-
-def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    engine = sharded_module_of(model)
-    assert engine is not None
-    return {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
 
 
 def step_against_ddp(rank: int, world_size: int) -> None:
@@ -47,7 +42,7 @@ def step_against_ddp(rank: int, world_size: int) -> None:
     norm = clip_grad_norm_(model, max_norm=0.5)
     optimizer.step()
     torch.testing.assert_close(norm, ref_norm)
-    full = _full(model)
+    full = module_full_state(model, [])["params"]
     for name, p in reference.named_parameters():
         torch.testing.assert_close(full[name], p.detach(), msg=name)
 
@@ -66,7 +61,7 @@ def train_and_save(rank: int, world_size: int, path: str) -> dict[str, torch.Ten
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     optimizer.step()
     save_checkpoint(path, model, [optimizer], {"step": 1, "note": "after one step"})
-    return _full(model)
+    return module_full_state(model, [])["params"]
 
 
 def load_elsewhere(rank: int, world_size: int, path: str) -> dict:
@@ -76,7 +71,8 @@ def load_elsewhere(rank: int, world_size: int, path: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     values, result = load_checkpoint(path, model, [optimizer])
     steps = [int(s["step"]) for s in optimizer.state.values()]
-    return {"values": values, "missing": result.missing_keys, "full": _full(model), "steps": steps}
+    full = module_full_state(model, [])["params"]
+    return {"values": values, "missing": result.missing_keys, "full": full, "steps": steps}
 
 
 def test_save_checkpoint_on_2_ranks_loads_on_3(tmp_path: Path) -> None:

@@ -31,7 +31,11 @@ class ShardDtypes:
     device: str
     scaler: ShardedGradScaler | None
 
-    def _init_dtypes(self, precision: str, scaler: ShardedGradScaler | None, device: str) -> None:
+    def __init__(
+        self, precision: ShardPrecisionName = "32-true", scaler: ShardedGradScaler | None = None, device: str = "cpu"
+    ) -> None:
+        """``precision``: one of ``ShardPrecisionName``; ``scaler``: the loss scaler for ``"16-mixed"`` (default: a
+        ``ShardedGradScaler``); ``device``: the device type autocast runs on (the strategy sets it at setup)."""
         check_precision(precision)
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"precision={precision!r} does not use a loss scaler; only '16-mixed' does.")

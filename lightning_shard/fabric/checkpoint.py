@@ -72,9 +72,9 @@ def load_fabric_state(path: Path, state: dict[str, Any], strict: bool) -> dict[s
 def load_raw_into(path: Path, module: nn.Module, strict: bool) -> None:
     """``fabric.load_raw``: a plain ``.safetensors`` model file, or the model of a checkpoint directory. Collective."""
     _, module = _sharded_module({"module": module}, "fabric.load_raw")
-    engine = sharded_module_of(module)
-    assert engine is not None
     if path.is_dir():
+        engine = sharded_module_of(module)
+        assert engine is not None  # checked by _sharded_module
         index = agree(lambda: read_index(path))
         load_model(engine, module, path, index, strict=strict)
     else:

@@ -19,8 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.common.precision import ShardDtypes, ShardPrecisionName
-from lightning_shard.engine.grad_scaler import ShardedGradScaler
+from lightning_shard.common.precision import ShardDtypes
 
 
 class ShardPrecision(ShardDtypes, Precision):
@@ -31,11 +30,6 @@ class ShardPrecision(ShardDtypes, Precision):
         scaler: the loss scaler for ``"16-mixed"`` (default: a ``ShardedGradScaler``).
         device: device type autocast runs on; the strategy sets it to its device's type.
     """
-
-    def __init__(
-        self, precision: ShardPrecisionName = "32-true", scaler: ShardedGradScaler | None = None, device: str = "cpu"
-    ) -> None:
-        self._init_dtypes(precision, scaler, device)
 
     @override
     def convert_output(self, data: Any) -> Any:

@@ -35,7 +35,7 @@ class ShardPrecision(ShardDtypes, Precision):
     def __init__(
         self, precision: ShardPrecisionName = "32-true", scaler: ShardedGradScaler | None = None, device: str = "cpu"
     ) -> None:
-        self._init_dtypes(precision, scaler, device)
+        super().__init__(precision, scaler, device)
         self.clip_norm_fn: Callable[[Optimizer, float], Tensor] | None = None  # set by the strategy
 
     # Backward and optimizer step #

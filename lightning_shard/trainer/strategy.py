@@ -23,7 +23,7 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -348,8 +348,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             save_checkpoint_dir(*args)
 
     def _fitting(self) -> bool:
+        """Whether a fit is running (saves after it ended are synchronous: nothing would wait for them)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status.name == "RUNNING"
+        if trainer is None:
+            return False
+        return trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
 
     @override
     def on_train_end(self) -> None:
