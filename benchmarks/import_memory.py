@@ -5,11 +5,12 @@
 A model of 8 blocks of two Linear(2048, 2048) layers (about 268 MB in fp32, largest tensor 16 MiB) is saved in
 the Hugging Face layout (several `model-0000k-of-0000n.safetensors` files and an index, by
 `huggingface_hub.save_torch_state_dict`). 2 gloo ranks then build it on the meta device, shard it one block per
-unit, and load the files with `load_safetensors_into`, while a thread samples each process's RSS every
-millisecond: RssAnon (what the process allocated) and the whole RSS, which also counts the pages of the files that
-safetensors maps to read this rank's rows (file-backed, the page cache's, dropped under memory pressure). The
-figures are the highest samples above the values before the model was built; the bound is this rank's share of
-the model, M/N, plus the largest tensor.
+unit (once with `param_init="reset_parameters"`, which initialises each unit in full before the load replaces
+it, and once with `param_init="empty"`, which materialises nothing in full), and load the files with
+`load_safetensors_into`, while a thread samples each process's RSS every millisecond: RssAnon (what the process
+allocated) and the whole RSS (which would also count file pages mapped to read; rows are read with plain file
+reads, so none are). The figures are the highest samples above the values before the model was built; the bound
+is this rank's share of the model, M/N, plus the largest tensor.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _sample(peak: list[float], running: threading.Event) -> None:
         time.sleep(0.001)
 
 
-def _worker(rank: int, port: int, directory: str, out: mp.Queue) -> None:
+def _worker(rank: int, port: int, directory: str, param_init: str, out: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -72,7 +73,7 @@ def _worker(rank: int, port: int, directory: str, out: mp.Queue) -> None:
     sampler.start()
     with torch.device("meta"):
         model = _model()
-    shard_model(model, auto_wrap_policy={Block}, device="cpu")
+    shard_model(model, auto_wrap_policy={Block}, device="cpu", param_init=param_init)
     sharded_anon, load_peak = _anon_mb(), [0.0, 0.0]
     load_running = threading.Event()
     load_running.set()
@@ -102,18 +103,23 @@ def main() -> None:
         save_torch_state_dict(state, directory, max_shard_size="64MB")
         del model, state
         files = sorted(p.name for p in Path(directory).iterdir())
-        procs = [ctx.Process(target=_worker, args=(r, 29000 + os.getpid() % 1000, directory, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        growth = dict(out.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join()
+        runs = {}
+        for i, param_init in enumerate(("reset_parameters", "empty")):
+            port = 29000 + (os.getpid() + i) % 1000
+            procs = [ctx.Process(target=_worker, args=(r, port, directory, param_init, out)) for r in range(2)]
+            for p in procs:
+                p.start()
+            runs[param_init] = dict(out.get(timeout=600) for _ in procs)
+            for p in procs:
+                p.join()
     bound = model_mib / 2 + largest_mib
-    print(f"model {model_mib:.0f} MiB in {len(files) - 1} files + index, largest tensor {largest_mib:.0f} MiB")
-    for rank, (rss, anon, sharded, load) in sorted(growth.items()):
-        print(f"rank {rank}: anonymous memory grew by {anon:.1f} MiB at the peak ({sharded:.1f} MiB held by the shards"
-              f" after sharding, {load:.1f} MiB more at the peak of the load itself); RSS with the file pages"
-              f" safetensors maps to read grew by {rss:.1f} MiB; M/N + largest tensor = {bound:.0f} MiB")
+    print(f"model {model_mib:.0f} MiB in {len(files) - 1} files + index, largest tensor {largest_mib:.0f} MiB;"
+          f" M/N + largest tensor = {bound:.0f} MiB")
+    for param_init, growth in runs.items():
+        for rank, (rss, anon, sharded, load) in sorted(growth.items()):
+            print(f"param_init={param_init!r} rank {rank}: anonymous memory grew by {anon:.1f} MiB at the peak"
+                  f" ({sharded:.1f} MiB held by the shards after sharding, {load:.1f} MiB more at the peak of the"
+                  f" load itself); the whole RSS grew by {rss:.1f} MiB")
 
 
 if __name__ == "__main__":

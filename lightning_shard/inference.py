@@ -8,6 +8,7 @@ Trainer, no process group. The module is rebuilt from the hyperparameters ``save
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,7 +19,7 @@ from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, ite
 from lightning_shard.checkpoint.load import load_trainer_state
 
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
-MapLocation = str | torch.device | dict[str, str] | None
+MapLocation = str | torch.device | dict[str, str] | Callable[[Any, str], Any] | None
 
 
 def load_from_checkpoint(
@@ -29,9 +30,13 @@ def load_from_checkpoint(
     **kwargs: Any,
 ) -> ModuleT:
     """Build ``module_class`` from the checkpoint's saved hyperparameters (``kwargs`` override them), run its
-    ``configure_model()``, load the trained weights, and return it in eval mode.
+    ``configure_model()`` and its ``on_load_checkpoint(checkpoint)`` hook, load the trained weights, and return it
+    in eval mode. The hook sees the checkpoint's trainer state (``hyper_parameters``, ``epoch``, ``global_step``,
+    callbacks' and loops' state) without ``"state_dict"``: the weights are read from the directory afterwards.
 
-    ``map_location``: the device the module ends on (``None``: CPU; a ``{"from": "to"}`` dict maps ``"cpu"``).
+    ``map_location``: the device the module ends on, as in Lightning: ``None`` (CPU), a device or its name, a
+    ``{"from": "to"}`` dict (its entry for ``"cpu"``, where the tensors are read), or a ``torch.load``-style
+    callable ``(storage, location) -> storage`` (asked where a CPU storage goes).
     ``strict``: a module key missing from the checkpoint, or a checkpoint key the module lacks, raises. Parameters
     that ``configure_model()`` leaves on the meta device are materialised with ``to_empty`` and filled from
     the checkpoint; one the checkpoint does not hold is an error whatever ``strict`` says.
@@ -43,6 +48,7 @@ def load_from_checkpoint(
     init_kwargs = {**_accepted(module_class, hparams), **kwargs}
     module = module_class(**init_kwargs)
     module.configure_model()
+    module.on_load_checkpoint(state)  # as Lightning does, before the weights (state has no "state_dict")
     meta = {k for k, t in module.state_dict(keep_vars=True).items() if t.is_meta}
     if meta:
         module.to_empty(device=device)
@@ -86,6 +92,9 @@ def _device(map_location: MapLocation) -> torch.device:
         return torch.device("cpu")
     if isinstance(map_location, dict):
         return torch.device(map_location.get("cpu", "cpu"))
+    if callable(map_location):  # torch.load's form: where would a CPU storage go?
+        moved = map_location(torch.empty(0).untyped_storage(), "cpu")
+        return torch.device("cpu") if moved is None else moved.device
     return torch.device(map_location)
 
 

@@ -109,6 +109,8 @@ def fabric_fit(rank: int, world_size: int, run: FabricRun) -> dict[str, Any]:
         losses.append(float(fabric.all_reduce(torch.stack(micro_losses).mean(), reduce_op="mean")))
     if run.save_to is not None:
         fabric.save(run.save_to, {"model": model, "optimizer": optimizer, "step": step + 1})
+        if isinstance(fabric.strategy, ShardStrategy):
+            fabric.strategy.wait_for_save()  # async_save=True: the directory is complete from here on
     precision = repr(fabric.strategy.precision)
     return {"losses": losses, "norms": norms, "local_losses": local_losses, "precision": precision}
 

@@ -1,9 +1,15 @@
-"""Background saves with ``Trainer(plugins=[AsyncCheckpointIO()])``: the checkpoint resumes exactly, at most one save
-is in flight, a failure in the background is raised on every rank, and plugins that would be ignored are refused."""
+"""Background saves with ``Trainer(plugins=[AsyncCheckpointIO()])`` and Fabric's ``ShardStrategy(async_save=True)``:
+the checkpoint resumes exactly, at most one save is in flight, a failure in the background is raised on every rank
+(in Fabric also at the end of the process), and plugins that would be ignored are refused."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +119,98 @@ def other_io(rank: int, world_size: int, ckpt_dir: str) -> str:
 def test_a_checkpoint_io_plugin_that_would_be_ignored_is_refused_on_every_rank(tmp_path: Path) -> None:
     for message in run_on_ranks(other_io, 2, str(tmp_path)):
         assert "the CheckpointIO plugin Elsewhere would not be used" in message
+
+
+# Fabric: ShardStrategy(async_save=True) #
+
+
+def fabric_resume_after_background_save(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    from tests.fabric_fits import FabricRun, fabric_fit
+
+    uninterrupted = fabric_fit(rank, world_size, FabricRun(steps=6))
+    ckpt, saving = str(Path(tmp) / "fabric.ckpt"), {"async_save": True}
+    first = fabric_fit(rank, world_size, FabricRun(steps=3, save_to=ckpt, strategy_kwargs=saving))
+    rest = fabric_fit(rank, world_size, FabricRun(steps=3, first_step=3, resume_from=ckpt))
+    return {"uninterrupted": uninterrupted["losses"], "resumed": first["losses"] + rest["losses"]}
+
+
+def test_a_fabric_background_save_resumes_to_the_uninterrupted_losses(tmp_path: Path) -> None:
+    for r in run_on_ranks(fabric_resume_after_background_save, 2, str(tmp_path)):
+        assert r["resumed"] == r["uninterrupted"]  # same world size: bit for bit
+
+
+def _slow_background_writes(seconds: float) -> Any:
+    from lightning_shard.checkpoint import save
+
+    original = save._ShardedWriter.write_tensors
+
+    def slow(self: Any, local: Any) -> Any:
+        if threading.current_thread().name == _WORKER:
+            time.sleep(seconds)
+        return original(self, local)
+
+    save._ShardedWriter.write_tensors = slow  # type: ignore[method-assign]
+    return original
+
+
+def fabric_saves_wait_for_each_other(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    from lightning_shard.checkpoint import save
+    from tests.fabric_fits import FabricRun, make_fabric, make_fabric_model, optimizer_for
+
+    original = _slow_background_writes(1.0)
+    try:
+        fabric = make_fabric(FabricRun(strategy_kwargs={"async_save": True}), world_size)
+        model = fabric.setup_module(make_fabric_model("gpt"))
+        optimizer = fabric.setup_optimizers(optimizer_for(model))
+        first, second = Path(tmp) / "first", Path(tmp) / "second"
+        fabric.save(first, {"model": model, "optimizer": optimizer, "step": 1})
+        after_first = {"running": _running(), "written": (first / "index.json").is_file()}
+        fabric.save(second, {"model": model, "optimizer": optimizer, "step": 2})
+        after_second = {"running": _running(), "first_written": (first / "index.json").is_file()}
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(second, state)  # must wait for the save of this very directory
+        return {"first": after_first, "second": after_second, "loaded_step": state["step"], "end": _running()}
+    finally:
+        save._ShardedWriter.write_tensors = original  # type: ignore[method-assign]
+
+
+def test_fabric_background_saves_run_one_at_a_time_and_load_waits_for_them(tmp_path: Path) -> None:
+    for r in run_on_ranks(fabric_saves_wait_for_each_other, 2, str(tmp_path)):
+        assert r["first"] == {"running": 1, "written": False}, r  # fabric.save returned while the files were written
+        assert r["second"] == {"running": 1, "first_written": True}, r  # the second save waited for the first
+        assert r["loaded_step"] == 2 and r["end"] == 0, r
+
+
+def test_fabric_async_save_must_be_a_bool() -> None:
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    with pytest.raises(TypeError, match="async_save must be True or False, got 'yes'"):
+        FabricShardStrategy(async_save="yes")  # type: ignore[arg-type]
+
+
+def _run_exit_script(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    script = Path(__file__).parent / "scripts" / "fabric_async_exit.py"
+    return subprocess.run(
+        [sys.executable, str(script), *args], env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=240,
+    )
+
+
+def test_the_end_of_a_fabric_process_waits_for_the_last_background_save(tmp_path: Path) -> None:
+    done = _run_exit_script(str(tmp_path / "last.ckpt"))
+    report = f"exit {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, report
+    assert done.stdout.count("returned from save") == 2, report
+    assert json.loads((tmp_path / "last.ckpt" / "trainer_state.json").read_text())["step"] == 1, report
+    assert sorted(p.name for p in (tmp_path / "last.ckpt").glob("shard-*.safetensors")) == [
+        "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"
+    ], report
+
+
+def test_a_background_save_failing_at_the_end_of_a_fabric_process_fails_the_process(tmp_path: Path) -> None:
+    done = _run_exit_script(str(tmp_path / "last.ckpt"), "--fail-on-rank-1")
+    report = f"exit {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert done.returncode != 0, report
+    assert "the last background checkpoint save failed" in done.stderr and "No space left on device" in done.stderr
+    assert not (tmp_path / "last.ckpt").exists(), report

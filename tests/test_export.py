@@ -134,6 +134,27 @@ def test_export_bfloat16_casts_every_tensor(tmp_path: Path) -> None:
         assert torch.equal(half[key], value.to(torch.bfloat16)), key
 
 
+def test_export_dtype_is_recorded_in_the_config_and_from_pretrained_auto_loads_it(tmp_path: Path) -> None:
+    ckpt, logits = trained()
+    config = write_config(tmp_path / "config.json")
+    lightning_shard.export_hf(ckpt, tmp_path / "bf16", prefix="model.", dtype="bfloat16", config=config)
+    written = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert written["dtype"] == "bfloat16"
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "bf16"), dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    lightning_shard.export_hf(ckpt, tmp_path / "fp32", prefix="model.", config=config)
+    assert (tmp_path / "fp32" / "config.json").read_bytes() == config.read_bytes()  # no dtype: copied as it is
+
+
+def test_export_refuses_a_config_that_is_not_a_json_object(tmp_path: Path) -> None:
+    ckpt, _ = trained()
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="is not a JSON object"):
+        lightning_shard.export_hf(ckpt, tmp_path / "out", prefix="model.", dtype="bfloat16",
+                                  config=tmp_path / "config.json")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_leaves_out_keys_without_the_prefix(tmp_path: Path) -> None:
     ckpt, _ = trained()
     result = lightning_shard.export_hf(ckpt, tmp_path / "hf", prefix="model.transformer.h.0.")

@@ -44,7 +44,9 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "logits": logits}
 
 
-def load_and_run(rank: int, world_size: int, path: str, prefix: str) -> dict[str, Any]:
+def load_and_run(
+    rank: int, world_size: int, path: str, prefix: str, param_init: str = "reset_parameters"
+) -> dict[str, Any]:
     """Build GPT-2 on the meta device, shard it, load ``path`` into it; the logits and the load's report."""
     from lightning_shard import load_safetensors_into
     from lightning_shard.engine import shard_model
@@ -53,7 +55,7 @@ def load_and_run(rank: int, world_size: int, path: str, prefix: str) -> dict[str
         net: nn.Module = Holder() if prefix else transformers.GPT2LMHeadModel(gpt2_config())
     # transformers' Conv1D has no reset_parameters(): its shards stay uninitialised until the load fills them, and a
     # forward before that is refused (see [Note: parameters nothing initialises]).
-    engine = shard_model(net, auto_wrap_policy={"GPT2Block"}, device="cpu")
+    engine = shard_model(net, auto_wrap_policy={"GPT2Block"}, device="cpu", param_init=param_init)
     try:
         (net.model if prefix else net)(TOKENS)
         refused = ""
@@ -88,6 +90,26 @@ def test_logits_equal_the_hugging_face_model(pretrained: dict[str, Any], form: s
         torch.testing.assert_close(r["logits"], pretrained["logits"])
 
 
+def test_param_init_empty_leaves_every_meta_parameter_to_the_load(pretrained: dict[str, Any]) -> None:
+    for r in run_on_ranks(load_and_run, 2, str(pretrained["root"] / "sharded"), "", "empty"):
+        # Modules with reset_parameters() (Embedding, LayerNorm) were not initialised either: named until loaded.
+        for named in ("transformer.wte.weight (transformer.wte: Embedding)", "transformer.ln_f.bias (transformer.ln_f:"
+                      " LayerNorm)", "transformer.h.1.attn.c_proj.weight (transformer.h.1.attn.c_proj: Conv1D)"):
+            assert named in r["refused"], r["refused"]
+        assert r["missing"] == [] and r["unexpected"] == []
+        torch.testing.assert_close(r["logits"], pretrained["logits"])
+
+
+def test_param_init_names_the_valid_values() -> None:
+    from lightning_shard import ShardStrategy
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    for strategy in (ShardStrategy, FabricShardStrategy):
+        with pytest.raises(ValueError, match="param_init") as raised:
+            strategy(param_init="zeros")  # type: ignore[arg-type]
+        assert "'reset_parameters'" in str(raised.value) and "'empty'" in str(raised.value), raised.value
+
+
 def test_prefix_loads_into_a_module_holding_the_network(pretrained: dict[str, Any]) -> None:
     for r in run_on_ranks(load_and_run, 2, str(pretrained["root"] / "sharded"), "model."):
         assert r["missing"] == [] and r["unexpected"] == []
@@ -95,21 +117,22 @@ def test_prefix_loads_into_a_module_holding_the_network(pretrained: dict[str, An
 
 
 def count_opens(rank: int, world_size: int, path: str) -> dict[str, int]:
-    """How many times each file is opened by safetensors while one rank loads ``path``."""
-    import safetensors
+    """How many times each file is opened while one rank loads ``path``."""
+    import builtins
+
+    from lightning_shard.checkpoint import format
 
     opened: dict[str, int] = {}
-    real = safetensors.safe_open
 
-    def recording(name: str, *args: Any, **kwargs: Any) -> Any:
+    def recording(name: Any, *args: Any, **kwargs: Any) -> Any:
         opened[Path(name).name] = opened.get(Path(name).name, 0) + 1
-        return real(name, *args, **kwargs)
+        return builtins.open(name, *args, **kwargs)
 
-    safetensors.safe_open = recording
+    format.open = recording  # type: ignore[attr-defined]
     try:
         load_and_run(rank, world_size, path, "")
     finally:
-        safetensors.safe_open = real
+        del format.open  # type: ignore[attr-defined]
     return opened
 
 
@@ -117,4 +140,4 @@ def test_each_file_is_opened_once(pretrained: dict[str, Any]) -> None:
     directory = pretrained["root"] / "sharded"
     files = set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values())
     for opened in run_on_ranks(count_opens, 2, str(directory)):
-        assert opened == dict.fromkeys(files, 1)
+        assert opened == dict.fromkeys(files, 2)  # once to check its header before any data is read, once to read

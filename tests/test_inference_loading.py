@@ -85,3 +85,26 @@ def test_map_location_places_the_module(tmp_path: Path) -> None:
     ckpt, _ = trained()
     module = lightning_shard.load_from_checkpoint(LitGPT2, ckpt, map_location="meta")
     assert all(t.is_meta for t in module.state_dict().values())
+
+
+def test_a_torch_load_style_callable_map_location_places_the_module() -> None:
+    ckpt, logits = trained()
+    to_meta = lightning_shard.load_from_checkpoint(
+        LitGPT2, ckpt, map_location=lambda storage, location: torch.empty(0, device="meta").untyped_storage()
+    )
+    assert all(t.is_meta for t in to_meta.state_dict().values())
+    kept = lightning_shard.load_from_checkpoint(LitGPT2, ckpt, map_location=lambda storage, location: storage)
+    torch.testing.assert_close(logits_of(kept), logits)
+
+
+class RecordingGPT2(LitGPT2):
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.seen = {"keys": sorted(checkpoint), "built": self.model is not None}
+
+
+def test_on_load_checkpoint_sees_the_trainer_state_before_the_weights() -> None:
+    ckpt, logits = trained()
+    module = lightning_shard.load_from_checkpoint(RecordingGPT2, ckpt)
+    assert {"epoch", "global_step", "hyper_parameters"} <= set(module.seen["keys"]), module.seen
+    assert "state_dict" not in module.seen["keys"] and module.seen["built"]
+    torch.testing.assert_close(logits_of(module), logits)

@@ -87,9 +87,9 @@ class BackgroundSaver:
         try:
             self.wait()
         finally:
-            if self._group is not None:
+            if self._group is not None and dist.is_initialized():  # else it went with the default group
                 dist.destroy_process_group(self._group)
-                self._group = None
+            self._group = None
 
     def _write(self, prepared: PreparedSave, copies: list[tuple[str, Tensor, tuple[int, int] | None]]) -> None:
         plan = prepared.plan

@@ -62,7 +62,9 @@ def export_hf(
     network as ``self.model``); keys without it are left out and listed in ``ExportResult.skipped``. Tied
     weights are written once, under the name the checkpoint stores them (the first one registered, e.g.
     ``transformer.wte.weight`` for GPT-2), which is the name transformers keeps. ``dtype`` (``"bfloat16"``,
-    ``"float16"``, ``"float32"``) casts floating-point tensors. ``config`` is a ``config.json`` copied in.
+    ``"float16"``, ``"float32"``) casts floating-point tensors. ``config`` is a ``config.json`` copied in (with
+    ``dtype`` given, its ``dtype``/``torch_dtype`` entry says the new dtype, so ``from_pretrained`` with
+    ``dtype="auto"`` loads the weights as written).
     A non-empty existing ``output_dir`` is refused unless ``overwrite``.
     """
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -116,7 +118,7 @@ def export_hf(
                 {"metadata": {"total_size": total_size}, "weight_map": plan.tensor_to_filename}, indent=2,
                 sort_keys=True) + "\n")
         if config is not None:
-            shutil.copyfile(config, tmp / "config.json")
+            _write_config(Path(config), tmp / "config.json", target_dtype)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -179,6 +181,24 @@ def _export_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"Unknown export dtype {dtype!r}; choose one of {', '.join(_EXPORT_DTYPES)}.")
     return _EXPORT_DTYPES[dtype]
+
+
+def _write_config(source: Path, dest: Path, dtype: torch.dtype | None) -> None:
+    """Copy ``config.json``; with an export ``dtype``, record it where transformers reads the weights' dtype."""
+    if dtype is None:
+        shutil.copyfile(source, dest)
+        return
+    try:
+        config = json.loads(source.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"Export config file {source} is not readable JSON ({err}).") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"Export config file {source} is not a JSON object; a config.json is one.")
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name  # what transformers writes and reads
+    if "torch_dtype" in config:  # what older versions wrote and read
+        config["torch_dtype"] = name
+    dest.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

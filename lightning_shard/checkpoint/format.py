@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -154,25 +155,30 @@ def read_safetensors_header(path: Path, size: int) -> dict[str, Any]:
     """The tensor table of the safetensors file ``path`` of ``size`` bytes (name -> dtype, shape, data_offsets),
     checked against ``size``: the header fits in the file, and every tensor's bytes lie inside its data section."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"Checkpoint file {path} has {size} bytes, too few for a safetensors header.")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(size - 8, MAX_HEADER_BYTES):
-            raise CheckpointError(
-                f"Checkpoint file {path} claims a {length}-byte header but holds {size} bytes in all: it is damaged."
-            )
-        try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"Checkpoint file {path} has a header that is not valid JSON ({err}).") from None
+        return _read_header(f, path, size)[1]
+
+
+def _read_header(f: Any, path: Path, size: int) -> tuple[int, dict[str, Any]]:
+    """``read_safetensors_header`` on an open file (at its start); also returns where the tensor data starts."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"Checkpoint file {path} has {size} bytes, too few for a safetensors header.")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise CheckpointError(
+            f"Checkpoint file {path} claims a {length}-byte header but holds {size} bytes in all: it is damaged."
+        )
+    try:
+        header = json.loads(f.read(length))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"Checkpoint file {path} has a header that is not valid JSON ({err}).") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"Checkpoint file {path} has a header that is not a table of tensors.")
     data_bytes = size - 8 - length
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     for key, info in tensors.items():
         _check_header_entry(path, key, info, data_bytes)
-    return tensors
+    return 8 + length, tensors
 
 
 def _check_header_entry(path: Path, key: str, info: Any, data_bytes: int) -> None:
@@ -193,12 +199,18 @@ def _is_shape(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
 
 
-def validate_tensors(directory: Path, tensors: dict[str, Any], file_sizes: dict[str, int]) -> None:
+def validate_tensors(
+    directory: Path,
+    tensors: dict[str, Any],
+    file_sizes: dict[str, int],
+    headers: dict[str, dict[str, Any]] | None = None,
+) -> None:
     """Check every tensor entry of an index against the files (see [Note: checkpoints are untrusted]): a known
     dtype, a well-formed shape, pieces in listed files whose headers hold exactly the claimed rows, and pieces
     that never overlap or leave a gap (``require_complete`` checks that they reach the last row). Reads only
-    headers; raises ``CheckpointError`` naming the file and key."""
-    headers: dict[str, dict[str, Any]] = {}
+    headers (those in ``headers``, already read by ``read_safetensors_header``, are not read again); raises
+    ``CheckpointError`` naming the file and key."""
+    headers = dict(headers or {})
     for key, entry in tensors.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None
         pieces = entry.get("pieces") if isinstance(entry, dict) else None
@@ -286,31 +298,46 @@ def check_loadable(
 
 
 class OpenFiles:
-    """Safetensors files opened once each and kept open while a load reads its rows from them."""
+    """Safetensors files opened once each and kept open while a load reads its rows from them.
+
+    Rows are read with plain file reads into tensors of their own, not through a memory map: the process then
+    holds only the rows it asked for (pages of the file it maps would count in its RSS, and fault-around maps
+    neighbouring rows too), and a file that is shorter than its header says fails the read instead of the process.
+    """
 
     def __init__(self, directory: Path) -> None:
         self._directory = directory
         self._stack = contextlib.ExitStack()
-        self._handles: dict[str, Any] = {}
+        self._files: dict[str, tuple[Any, int, dict[str, Any]]] = {}  # name -> (file, data start, tensor table)
 
     def __enter__(self) -> OpenFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
-        self._handles.clear()
+        self._files.clear()
 
-    def slice(self, piece: dict[str, Any]) -> Any:
-        """The safetensors slice of ``piece`` (rows are read only when indexed)."""
-        from safetensors import safe_open
-
+    def read(self, piece: dict[str, Any], start: int, stop: int, into: Tensor | None = None) -> Tensor:
+        """Rows ``[start, stop)`` of the tensor ``piece`` names in its file (a 0-dim tensor: the whole of it), read
+        straight into ``into`` when it is a contiguous tensor of that shape and the file's dtype."""
         path = member_path(self._directory, piece["file"])
-        try:
-            if piece["file"] not in self._handles:
-                self._handles[piece["file"]] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            return self._handles[piece["file"]].get_slice(piece["key"])
-        except Exception as err:  # noqa: BLE001 - any failure to parse is a damaged file
-            raise CheckpointError(f"Cannot read {piece['key']!r} from checkpoint file {path}: {err}") from None
+        if piece["file"] not in self._files:
+            handle = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115 - closed with the stack
+            self._files[piece["file"]] = (handle, *_read_header(handle, path, os.fstat(handle.fileno()).st_size))
+        handle, data_start, table = self._files[piece["file"]]
+        info = table.get(piece["key"])
+        if info is None:
+            raise CheckpointError(f"Checkpoint file {path} does not hold {piece['key']!r}.")
+        shape, dtype = info["shape"], _TORCH_BY_SAFETENSORS[info["dtype"]]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        out_shape = (stop - start, *shape[1:]) if shape else ()
+        fits = into is not None and into.dtype == dtype and into.shape == out_shape and into.is_contiguous()
+        out = into if fits and into is not None else torch.empty(out_shape, dtype=dtype)
+        handle.seek(data_start + info["data_offsets"][0] + start * row_bytes)
+        buffer = out.reshape(-1).view(torch.uint8).numpy()
+        if handle.readinto(buffer) != buffer.nbytes:
+            raise CheckpointError(f"Checkpoint file {path} ends inside {piece['key']!r}: it is truncated.")
+        return out
 
 
 def read_rows(
@@ -329,15 +356,18 @@ def read_rows(
     dtype = dtype_from_name(entry["dtype"])
     if not shape:
         piece = entry["pieces"][0]
-        return _checked(directory, piece, files.slice(piece)[...], whole=True).reshape(())
+        return _checked(directory, piece, files.read(piece, 0, 1), whole=True).to(dtype)
     out = torch.empty(stop - start, *shape[1:], dtype=dtype)
     for piece in entry["pieces"]:
         lo, hi = piece["rows"]
         a, b = max(lo, start), min(hi, stop)
         if a >= b:
             continue
-        rows = files.slice(piece)[a - lo : b - lo]
-        out[a - start : b - start] = _checked(directory, piece, rows, whole=(a == lo and b == hi))
+        target = out[a - start : b - start]
+        rows = files.read(piece, a - lo, b - lo, into=target)  # no copy when the file holds the model's dtype
+        _checked(directory, piece, rows, whole=(a == lo and b == hi))
+        if rows is not target:
+            target.copy_(rows)
     return out
 
 

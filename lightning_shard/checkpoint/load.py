@@ -278,7 +278,7 @@ def _safetensors_tensors(path: Path) -> tuple[Path, dict[str, dict[str, Any]]]:
         rows = info["shape"][0] if info["shape"] else 1
         tensors[key] = {"shape": info["shape"], "dtype": dtype_name(dtype),
                         "pieces": [{"file": name, "key": key, "rows": [0, rows]}]}
-    validate_tensors(directory, tensors, sizes)
+    validate_tensors(directory, tensors, sizes, headers)
     return directory, tensors
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.optim import Optimizer
@@ -22,6 +22,9 @@ from lightning_shard.checkpoint.load import LoadResult, load_model, load_optimiz
 from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
+if TYPE_CHECKING:
+    from lightning_shard.checkpoint.background import BackgroundSaver
+
 TRAINER_PLACEHOLDERS = ("state_dict", "optimizer_states")  # keys of Lightning's checkpoint dict the writer fills
 
 
@@ -31,9 +34,13 @@ def save_checkpoint(
     optimizers: Sequence[Optimizer] = (),
     values: Mapping[str, Any] | None = None,
     layout: StateDictType | str = "sharded",
+    saver: BackgroundSaver | None = None,
 ) -> None:
     """Write ``module`` (sharded by ``lightning_shard``), the state of ``optimizers`` (built on its shards) and
-    ``values`` as a checkpoint directory at ``path``, atomically. Collective: every rank must call it."""
+    ``values`` as a checkpoint directory at ``path``, atomically. Collective: every rank must call it.
+
+    With a ``saver`` the files are written in the background: this returns once each rank has copied its rows
+    aside, and ``saver.wait()`` (or the next save) waits for the directory (see [Note: background saves])."""
     engine = _engine(module, "save_checkpoint")
     rest = dict(values or {})
     reserved = [k for k in rest if k in TRAINER_PLACEHOLDERS]
@@ -42,7 +49,11 @@ def save_checkpoint(
     if optimizers:
         rest["optimizer_states"] = []  # tells the writer to store optimizer state
     target = Path(broadcast_str(str(path)))
-    save_checkpoint_dir(engine, module, list(optimizers), rest, target, StateDictType.parse(layout))
+    args = (engine, module, list(optimizers), rest, target, StateDictType.parse(layout))
+    if saver is not None:
+        saver.save(*args)
+    else:
+        save_checkpoint_dir(*args)
 
 
 def load_checkpoint(

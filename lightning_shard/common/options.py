@@ -16,6 +16,7 @@ from lightning_shard.checkpoint.save import StateDictType
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import (
     GradSync,
+    ParamInit,
     ShardingStrategy,
     ShardingStrategyName,
     WrapPolicy,
@@ -37,6 +38,7 @@ class ShardOptions:
     state_dict_type: StateDictType
     cpu_offload: bool
     broadcast_buffers: bool
+    param_init: ParamInit
     timeout: timedelta | None
 
     @classmethod
@@ -52,6 +54,7 @@ class ShardOptions:
         state_dict_type: Literal["sharded", "full"] | StateDictType = "sharded",
         cpu_offload: bool = False,
         broadcast_buffers: bool = True,
+        param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
         timeout: timedelta | None = None,
     ) -> ShardOptions:
         """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values."""
@@ -77,6 +80,7 @@ class ShardOptions:
             state_dict_type=StateDictType.parse(state_dict_type),
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
+            param_init=ParamInit.parse(param_init),
             timeout=timeout,
         )
 
@@ -124,3 +128,7 @@ class ShardOptionsMixin:
     @property
     def broadcast_buffers(self) -> bool:
         return self.options.broadcast_buffers
+
+    @property
+    def param_init(self) -> ParamInit:
+        return self.options.param_init

@@ -35,7 +35,8 @@ def setup_sharded_module(
         )
     sharded_before = sharded_module_of(module) is not None
     engine = shard_module(
-        module, mesh, options.sharding_strategy, options.wrap_policy, device, mixed_precision, cpu_offload=offloads
+        module, mesh, options.sharding_strategy, options.wrap_policy, device, mixed_precision, cpu_offload=offloads,
+        param_init=options.param_init,
     )
     engine.buffer_sync.enabled = options.broadcast_buffers
     if sharded_before:

@@ -12,6 +12,7 @@ engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clip
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,13 @@ from torch import Tensor, nn
 from lightning_shard.engine.clipping import clip_grad_norm_ as _clip_shards
 from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.policies import ShardingStrategy, ShardingStrategyName, WrapPolicySpec, resolve_wrap_policy
+from lightning_shard.engine.policies import (
+    ParamInit,
+    ShardingStrategy,
+    ShardingStrategyName,
+    WrapPolicySpec,
+    resolve_wrap_policy,
+)
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
 
 __all__ = ["ShardedModule", "clip_grad_norm_", "shard_model", "sharded_module_of"]
@@ -35,12 +42,14 @@ def shard_model(
     mixed_precision: MixedPrecision | None = None,
     device: torch.device | str | None = None,
     cpu_offload: bool = False,
+    param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
 ) -> ShardedModule:
     """Shard ``model`` in place over the default process group, as the Lightning strategies do; return its engine.
 
     Afterwards ``model.parameters()`` are this rank's rows (build the optimizer from them), each forward gathers
     the units it runs, and each backward leaves this rank's rows of the averaged gradients in ``.grad``. A model
-    built on the meta device is materialised and initialised (``reset_parameters()``) one unit at a time. The
+    built on the meta device is materialised and initialised (``reset_parameters()``) one unit at a time, or with
+    ``param_init="empty"`` left uninitialised for a load to fill (a forward before that raises). The
     arguments mean what the strategies' arguments of the same names mean; ``device`` defaults to
     ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. The process group must exist
     (``torch.distributed.init_process_group``, e.g. under ``torchrun``).
@@ -57,9 +66,11 @@ def shard_model(
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     strategy = ShardingStrategy.parse(sharding_strategy)
+    init = ParamInit.parse(param_init)
     mesh = build_shard_mesh(strategy, device_mesh, dist.get_backend())
     offload = cpu_offload and device.type != "cpu"
-    return shard_module(model, mesh, strategy, resolve_wrap_policy(auto_wrap_policy), device, mixed_precision, offload)
+    policy = resolve_wrap_policy(auto_wrap_policy)
+    return shard_module(model, mesh, strategy, policy, device, mixed_precision, offload, init)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> Tensor:

@@ -75,6 +75,25 @@ class GradSync(enum.Enum):
         return parse_choice(cls, value, "grad_sync")
 
 
+class ParamInit(enum.Enum):
+    """How parameters built on the meta device get their first values when the model is sharded.
+
+    - ``RESET_PARAMETERS``: each owning module's ``reset_parameters()`` runs on its unit, materialised in full
+      one unit at a time (modules without one leave their parameters uninitialised until loaded).
+    - ``EMPTY``: nothing is initialised and no unit is materialised in full: every meta-device parameter is an
+      uninitialised shard until a load fills it, and a forward before that raises naming what is missing. For
+      models whose weights are about to be loaded (fine-tuning): it saves the time of initialising and keeps
+      the import's memory at this rank's shards. See [Note: parameters nothing initialises].
+    """
+
+    RESET_PARAMETERS = "reset_parameters"
+    EMPTY = "empty"
+
+    @classmethod
+    def parse(cls, value: ParamInit | str) -> ParamInit:
+        return parse_choice(cls, value, "param_init")
+
+
 # --------------------------------------------------------------------------------------------------
 # Wrap policies
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ cannot initialise its parameters, which is fine when pretrained weights are abou
 shards are materialised uninitialised and recorded in ``ShardedModule.uninitialized``. Loading
 (``load_safetensors_into``, a checkpoint, ``fabric.load_raw``) removes what it fills; any forward of
 a unit while something is left raises on every rank, naming each such parameter, so uninitialised
-memory is never trained on.
+memory is never trained on. With ``param_init=ParamInit.EMPTY`` no ``reset_parameters()`` runs at all:
+every meta-device parameter is recorded, and no unit is materialised in full, so importing pretrained
+weights costs each rank its shards and one tensor's rows at a time.
 
 ``shard_module`` takes the units ``planning`` chose (see [Note: which unit owns a parameter] there),
 initialises their shards, syncs the buffers (``buffers``) and registers the hooks; ``ShardedModule``
@@ -53,7 +55,7 @@ from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision, parse_dtype
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units, without_reset_parameters
-from lightning_shard.engine.policies import ShardingStrategy, WrapPolicy
+from lightning_shard.engine.policies import ParamInit, ShardingStrategy, WrapPolicy
 from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
 
 _ENGINE_ATTR = "_lightning_shard_engine"
@@ -79,6 +81,7 @@ class ShardedModule:
         self.buffer_sync = BufferSync(root, mesh.world_size)  # see [Note: buffers follow DDP]
         # Parameters built on the meta device by modules without reset_parameters(), not loaded yet: fqn -> where.
         self.uninitialized: dict[str, str] = {}
+        self.param_init = ParamInit.RESET_PARAMETERS  # how meta-device parameters were materialised
         for unit in units:
             unit.on_first_pre_backward = self._queue_end_of_backward
             unit.on_pre_forward = self._before_unit_forward
@@ -106,11 +109,17 @@ class ShardedModule:
         """Refuse to run a model with parameters that nothing initialised (see [Note: parameters nothing
         initialises]); the same on every rank, before any collective."""
         if self.uninitialized:
+            if self.param_init is ParamInit.EMPTY:
+                why = "with param_init='empty' (nothing is initialised; a load is expected to fill them)"
+                fix = "or use param_init='reset_parameters'"
+            else:
+                why = "by modules without reset_parameters()"
+                fix = "or define reset_parameters() on those modules"
             raise RuntimeError(
-                "These parameters were built on the meta device by modules without reset_parameters() and have not"
-                " been loaded, so they hold uninitialised memory: " + ", ".join(self.uninitialized.values()) + "."
+                f"These parameters were built on the meta device {why} and have not been loaded, so they hold"
+                " uninitialised memory: " + ", ".join(self.uninitialized.values()) + "."
                 " Load them before the first forward (load_safetensors_into(), e.g. from on_fit_start, or"
-                " fabric.load_raw() after setup_module), or define reset_parameters() on those modules."
+                f" fabric.load_raw() after setup_module), {fix}."
             )
 
     def mark_initialized(self, fqns: Iterable[str]) -> None:
@@ -240,11 +249,13 @@ def shard_module(
     device: torch.device,
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: bool = False,
+    param_init: ParamInit = ParamInit.RESET_PARAMETERS,
 ) -> ShardedModule:
     """Shard ``root`` in place: afterwards its parameters are this rank's shards and forward gathers them.
 
     With ``cpu_offload`` the shards (and so gradients and optimizer state) live in CPU memory while the model
-    computes on ``device`` (see [Note: CPU offload] in ``unit.py``).
+    computes on ``device`` (see [Note: CPU offload] in ``unit.py``). ``param_init`` says how parameters built on
+    the meta device get their values (see [Note: parameters nothing initialises]).
     """
     existing = getattr(root, _ENGINE_ATTR, None)
     if existing is not None:  # sharded before (an earlier stage or Trainer): keep the shards, use the new groups
@@ -276,7 +287,7 @@ def shard_module(
         for sp in sps:
             if not full[id(sp)].is_meta:
                 continue
-            if all(without_reset_parameters(m) for m, _ in sp.owners):
+            if param_init is ParamInit.EMPTY or all(without_reset_parameters(m) for m, _ in sp.owners):
                 owner = sp.owners[0][0]
                 uninitialized[sp.fqn] = f"{sp.fqn} ({names.get(id(owner), '?')}: {type(owner).__name__})"
             for m, _ in sp.owners:
@@ -293,7 +304,9 @@ def shard_module(
             name, module, sps, mesh, device, reshard_after_forward=reshard_here, reduce_dtype=reduce_dtype,
             shard_device=torch.device("cpu") if cpu_offload else None,
         )
-        if any(full[id(sp)].is_meta for sp in sps):
+        if param_init is ParamInit.EMPTY or not meta_modules[id(module)]:  # nothing here to run reset_parameters()
+            unit.init_meta_empty(full)
+        elif any(full[id(sp)].is_meta for sp in sps):
             unit.init_from_reset_parameters(meta_modules[id(module)], full, device)
         else:
             unit.init_from_full(full)
@@ -302,6 +315,7 @@ def shard_module(
     materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
     engine = ShardedModule(root, units, mesh, strategy)
     engine.uninitialized = uninitialized
+    engine.param_init = param_init
     _register_hooks(engine, mixed_precision)
     return engine
 

@@ -337,6 +337,15 @@ class ShardUnit:
         self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
         self.reshard()
 
+    def init_meta_empty(self, full: dict[int, Tensor]) -> None:
+        """Leave parameters built on the meta device as uninitialised shards (a load fills them) and fill the
+        others from their full values, as ``init_from_full``; nothing is materialised in full."""
+        for p in self.params:
+            if not full[id(p)].is_meta:
+                p.copy_rows_from_full(_from_rank0(full[id(p)], self.device))
+        self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
+        self.reshard()
+
     def init_from_reset_parameters(
         self, modules: list[nn.Module], full: dict[int, Tensor], device: torch.device
     ) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
+from lightning_shard.checkpoint.background import BackgroundSaver
 from lightning_shard.checkpoint.format import read_index
 from lightning_shard.checkpoint.load import load_model, load_safetensors_into
 from lightning_shard.checkpoint.save import StateDictType
@@ -29,8 +30,11 @@ from lightning_shard.common.checkpoint import FABRIC_OBJECTS
 from lightning_shard.engine.sharded_module import sharded_module_of
 
 
-def save_fabric_state(path: Path, state: Mapping[str, Any], layout: StateDictType) -> None:
-    """Write Fabric's ``state`` (live module, optimizers, plain values) as a checkpoint directory. Collective."""
+def save_fabric_state(
+    path: Path, state: Mapping[str, Any], layout: StateDictType, saver: BackgroundSaver | None = None
+) -> None:
+    """Write Fabric's ``state`` (live module, optimizers, plain values) as a checkpoint directory, in the background
+    with a ``saver``. Collective."""
     module_key, module = _sharded_module(state, "fabric.save")
     optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
     values: dict[str, Any] = {}
@@ -41,7 +45,7 @@ def save_fabric_state(path: Path, state: Mapping[str, Any], layout: StateDictTyp
             raise ValueError(f"fabric.save: the state key {key!r} is reserved by the checkpoint format; rename it.")
         values[key] = value.state_dict() if isinstance(value, (_Stateful, nn.Module)) else value
     values[FABRIC_OBJECTS] = {"module": module_key, "optimizers": optimizer_keys}
-    save_checkpoint(path, module, [state[k] for k in optimizer_keys], values, layout)
+    save_checkpoint(path, module, [state[k] for k in optimizer_keys], values, layout, saver)
 
 
 def load_fabric_state(path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:

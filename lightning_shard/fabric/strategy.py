@@ -8,6 +8,9 @@ It translates Fabric's calls (``setup_module``, ``setup_optimizers``, ``backward
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard.checkpoint.background import BackgroundSaver
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.precision import translate_precision
 from lightning_shard.common.registry import register_shard_strategies
@@ -38,7 +42,7 @@ from lightning_shard.common.strategy_base import ShardStrategyMixin
 from lightning_shard.engine.clipping import clip_grads_with_norm_, global_grad_norm
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.policies import GradSync, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
+from lightning_shard.engine.policies import GradSync, ParamInit, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 from lightning_shard.fabric.checkpoint import load_fabric_state, load_raw_into, save_fabric_state
 from lightning_shard.fabric.precision import ShardPrecision
@@ -53,8 +57,16 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     Takes the same sharding arguments as the Trainer's ``lightning_shard.ShardStrategy`` (``auto_wrap_policy``,
     ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy``,
     ``grad_sync``, ``state_dict_type``, ``cpu_offload``, ``broadcast_buffers``, ``process_group_backend``,
-    ``timeout``), with the same defaults; see that class for what each does. In Fabric, ``grad_sync`` applies to
-    micro-batches run under ``fabric.no_backward_sync(model)``.
+    ``timeout``, ``param_init``), with the same defaults; see that class for what each does. In Fabric,
+    ``grad_sync`` applies to micro-batches run under ``fabric.no_backward_sync(model)``, and ``param_init="empty"``
+    leaves a model built under ``fabric.init_module(empty_init=True)`` for ``fabric.load_raw`` to fill.
+
+    ``async_save=True`` writes ``fabric.save`` checkpoints in the background (Fabric's counterpart of the
+    Trainer's ``AsyncCheckpointIO`` plugin): ``fabric.save`` returns once each rank has copied its rows aside (at
+    most this rank's shard of the model and optimizer state, in CPU memory), the directory appears atomically once
+    every rank has written its file, and at most one save is in flight. The next ``fabric.save`` or
+    ``fabric.load``, ``strategy.wait_for_save()``, teardown and the end of the process wait for it; a failure of
+    the background write is raised there on every rank (at the end of the process: printed, exit status 1).
 
     Set up the model with ``fabric.setup_module(model)`` and create the optimizer from the returned model's
     parameters (this rank's shards) before ``fabric.setup_optimizers(optimizer)``; ``fabric.setup(model,
@@ -79,6 +91,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         state_dict_type: Literal["sharded", "full"] = "sharded",
         cpu_offload: bool = False,
         broadcast_buffers: bool = True,
+        param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
+        async_save: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -97,8 +111,13 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             state_dict_type=state_dict_type,
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
+            param_init=param_init,
             timeout=timeout,
         )
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}.")
+        self._async_save = async_save
+        self._saver = BackgroundSaver()
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._backward_sync_control = _ShardBackwardSyncControl(self)
@@ -154,6 +173,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         super().setup_environment()
         self.set_world_ranks()
         self._start_mesh()
+        if self._async_save:
+            _wait_at_exit(self._saver)
 
     # Model and optimizers #
 
@@ -274,7 +295,17 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
                 "fabric.save(..., filter=...) is not supported with ShardStrategy: checkpoints hold every parameter"
                 " (use lightning-shard consolidate and select keys afterwards)."
             )
-        save_fabric_state(Path(self.broadcast(str(path))), state, self.options.state_dict_type)
+        target = Path(self.broadcast(str(path)))
+        if self._async_save:
+            save_fabric_state(target, state, self.options.state_dict_type, self._saver)  # see [Note: background saves]
+        else:
+            self._saver.wait()
+            save_fabric_state(target, state, self.options.state_dict_type)
+
+    def wait_for_save(self) -> None:
+        """Block until the background save in flight (``async_save=True``) has finished writing its directory; raise
+        its failure on every rank. Returns at once when none is in flight."""
+        self._saver.wait()
 
     @override
     def load_checkpoint(
@@ -287,6 +318,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         """Fill ``state`` in place from a checkpoint directory (any world size, Fabric or Trainer written); a module
         alone (``fabric.load_raw``) also takes a plain ``.safetensors`` file. Returns what ``state`` did not ask
         for. Collective. Never unpickles."""
+        self._saver.wait()  # a background save of this very path must have finished
         directory = Path(self.broadcast(str(path)))
         if isinstance(state, nn.Module):
             load_raw_into(directory, state, strict)
@@ -302,6 +334,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
 
     @override
     def teardown(self) -> None:
+        self._saver.close()
         for engine in self._engines:
             engine.reshard_all()
         if self._mesh is not None:
@@ -348,6 +381,21 @@ def _init_context(empty_init: bool | None, precision_context: AbstractContextMan
             yield
 
     return context()
+
+
+def _wait_at_exit(saver: BackgroundSaver) -> None:
+    """Finish ``saver``'s last background save when the process ends. Registered once the process group exists,
+    after the group's own exit handler, so it runs before the group is destroyed (exit handlers run in reverse)."""
+
+    def finish() -> None:
+        try:
+            saver.wait()
+        except BaseException as err:  # noqa: BLE001 - nowhere left to raise it: report it and fail the process
+            print(f"lightning_shard: the last background checkpoint save failed: {err}", file=sys.stderr, flush=True)
+            os._exit(1)
+        saver.close()
+
+    atexit.register(finish)
 
 
 def _engine_of(module: nn.Module) -> ShardedModule:

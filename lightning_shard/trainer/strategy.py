@@ -40,6 +40,7 @@ from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import (
     GradSync,
+    ParamInit,
     ShardingStrategy,
     ShardingStrategyName,
     WrapPolicySpec,
@@ -92,6 +93,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             every rank's buffers (BatchNorm statistics) with global rank 0's at the start of each forward that
             follows a training forward, in one broadcast; ``False`` leaves each rank's buffers to evolve from its
             own data. Either way all ranks start from rank 0's buffers when the model is set up.
+        param_init: how parameters built on the meta device (in ``configure_model``) get their first values:
+            ``"reset_parameters"`` (default) runs each module's ``reset_parameters()`` one unit at a time;
+            ``"empty"`` leaves them uninitialised for pretrained weights loaded in ``on_fit_start`` to fill (no
+            unit is materialised in full, so the import holds only this rank's shards); a forward before every
+            such parameter is loaded raises naming the missing ones.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: timeout of the process group's collectives.
     """
@@ -117,6 +123,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         state_dict_type: Literal["sharded", "full"] = "sharded",
         cpu_offload: bool = False,
         broadcast_buffers: bool = True,
+        param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -137,6 +144,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             state_dict_type=state_dict_type,
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
+            param_init=param_init,
             timeout=timeout,
         )
         self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]
