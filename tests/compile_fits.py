@@ -25,6 +25,7 @@ class CompileRun:
     precision: str = "32-true"
     steps: int = 4
     first_step: int = 0  # a resumed Fabric run starts at this step of the data
+    checkpointing: bool = False  # activation checkpointing of every block (Trainer runs)
 
 
 def _counter(backend: str) -> Any:
@@ -68,7 +69,8 @@ def trainer_compiled_fit(rank: int, world_size: int, run: CompileRun) -> dict[st
     counter = _counter(run.backend)
     L.seed_everything(0)
     module = CompiledGPT(run, counter)
-    strategy = ShardStrategy(auto_wrap_policy={GPTBlock})
+    checkpointed = {GPTBlock} if run.checkpointing else None
+    strategy = ShardStrategy(auto_wrap_policy={GPTBlock}, activation_checkpointing_policy=checkpointed)
     graphs = GraphsPerStep(counter)
     trainer = trainer_for(strategy, world_size, run.steps, precision=run.precision, callbacks=[graphs])
     try:

@@ -56,6 +56,15 @@ def test_blocks_compiled_in_bf16_mixed_train_like_eager() -> None:
         _assert_compiles_only_in_the_first_two_steps(c["graphs"])
 
 
+def test_compiled_blocks_with_activation_checkpointing_train_like_eager() -> None:
+    """The compiled forward recomputed in backward, after the unit was gathered again."""
+    eager = run_on_ranks(trainer_compiled_fit, 2, CompileRun(compiled="none", checkpointing=True))
+    compiled = run_on_ranks(trainer_compiled_fit, 2, CompileRun(compiled="blocks", checkpointing=True))
+    for e, c in zip(eager, compiled):
+        _assert_close_to_eager(c["losses"], e["losses"])
+        _assert_compiles_only_in_the_first_two_steps(c["graphs"])
+
+
 def test_a_compiled_module_holding_the_blocks_trains_like_eager() -> None:
     """The model under the LightningModule compiled as a whole: a graph break at every block's hooks."""
     eager = run_on_ranks(trainer_compiled_fit, 2, CompileRun(compiled="none"))
