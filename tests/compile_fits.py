@@ -20,7 +20,8 @@ from tests.models import GPTBlock, LitModel, TinyGPT, loader, make_dataset
 class CompileRun:
     """What is compiled, how, and for how long."""
 
-    compiled: str = "blocks"  # "none" (eager), "blocks" (each GPTBlock), "stack" (TinyGPT), "root" (LightningModule)
+    compiled: str = "blocks"  # "none" (eager), "blocks" (each GPTBlock), "stack" (TinyGPT), "root" (LightningModule),
+    # "model" (the whole model, Fabric)
     backend: str = "aot_eager"  # dynamo's graphs through AOTAutograd, run eagerly; "inductor" generates kernels
     precision: str = "32-true"
     steps: int = 4
@@ -28,50 +29,56 @@ class CompileRun:
     checkpointing: bool = False  # activation checkpointing of every block (Trainer runs)
 
 
-def _counter(backend: str) -> Any:
-    """A dynamo backend that counts the graphs it compiles, then compiles them with ``backend``. Dynamo's caches
-    are per process and the rank workers outlive a test, so they are reset first."""
-    from torch._dynamo.testing import CompileCounterWithBackend
+def _fresh_dynamo() -> None:
+    """Dynamo's caches and counters are per process and the rank workers outlive a test: start from none."""
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    return CompileCounterWithBackend(backend)
+    counters.clear()
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process since ``_fresh_dynamo()`` (a recompilation is one more)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 class CompiledGPT(LitModel):
     """The Trainer tests' GPT, compiled in ``configure_model`` as ``run.compiled`` says (``nn.Module.compile``)."""
 
-    def __init__(self, run: CompileRun, counter: Any) -> None:
+    def __init__(self, run: CompileRun) -> None:
         super().__init__("gpt")
-        self.run, self.counter = run, counter
+        self.run = run
 
     def configure_model(self) -> None:
         if self.run.compiled == "blocks":
             for block in self.model.blocks:
-                block.compile(backend=self.counter)
+                block.compile(backend=self.run.backend)
         elif self.run.compiled == "stack":
-            self.model.compile(backend=self.counter)
+            self.model.compile(backend=self.run.backend)
         elif self.run.compiled == "root":
-            self.compile(backend=self.counter)
+            self.compile(backend=self.run.backend)
 
 
 class GraphsPerStep(L.Callback):
     """The number of graphs compiled so far, after each training step."""
 
-    def __init__(self, counter: Any) -> None:
-        self.counter, self.graphs = counter, []
+    def __init__(self) -> None:
+        self.graphs: list[int] = []
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self.graphs.append(int(self.counter.frame_count))
+        self.graphs.append(graphs_compiled())
 
 
 def trainer_compiled_fit(rank: int, world_size: int, run: CompileRun) -> dict[str, Any]:
     """Train the GPT under the Trainer; its losses, graphs compiled after each step and final full parameters."""
-    counter = _counter(run.backend)
+    _fresh_dynamo()
     L.seed_everything(0)
-    module = CompiledGPT(run, counter)
+    module = CompiledGPT(run)
     checkpointed = {GPTBlock} if run.checkpointing else None
     strategy = ShardStrategy(auto_wrap_policy={GPTBlock}, activation_checkpointing_policy=checkpointed)
-    graphs = GraphsPerStep(counter)
+    graphs = GraphsPerStep()
     trainer = trainer_for(strategy, world_size, run.steps, precision=run.precision, callbacks=[graphs])
     try:
         trainer.fit(module, train_dataloaders=loader("gpt"))
@@ -85,15 +92,18 @@ def fabric_compiled_fit(
 ) -> dict[str, Any]:
     """Train the GPT in Fabric, built under ``fabric.init_module()`` with each block replaced by
     ``torch.compile(block)`` (unless ``run.compiled == "none"``); optionally load a checkpoint first and save one
-    at the end. Returns the losses, graphs compiled after each step and the model's parameter names."""
-    counter = _counter(run.backend)
+    at the end; ``run.compiled == "model"`` compiles the whole model (``torch.compile(model)``, which Fabric applies
+    again around its wrapper). Returns the losses, graphs compiled after each step and the parameter names."""
+    _fresh_dynamo()
     fabric = make_fabric(FabricRun(precision=run.precision), world_size)
     fabric.seed_everything(0)
     with fabric.init_module():
         model: nn.Module = TinyGPT()
         if run.compiled == "blocks":
             for i, block in enumerate(model.blocks):
-                model.blocks[i] = torch.compile(block, backend=counter)
+                model.blocks[i] = torch.compile(block, backend=run.backend)
+        elif run.compiled == "model":
+            model = torch.compile(model, backend=run.backend)
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(optimizer_for(model))
     if load_from is not None:
@@ -107,7 +117,7 @@ def fabric_compiled_fit(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
-        graphs.append(int(counter.frame_count))
+        graphs.append(graphs_compiled())
     if save_to is not None:
         fabric.save(save_to, {"model": model, "optimizer": optimizer})
     return {"losses": losses, "graphs": graphs, "names": [n for n, _ in model.named_parameters()]}
@@ -118,7 +128,7 @@ def shard_model_of_compiled_model(rank: int, world_size: int) -> str:
     from lightning_shard.engine import shard_model
 
     try:
-        shard_model(torch.compile(TinyGPT(), backend=_counter("aot_eager")), auto_wrap_policy={GPTBlock})
+        shard_model(torch.compile(TinyGPT(), backend="aot_eager"), auto_wrap_policy={GPTBlock})
     except ValueError as error:
         return str(error)
     return "no error"

@@ -88,6 +88,16 @@ def test_torch_compiled_blocks_train_in_fabric_and_checkpoint_under_the_eager_na
         _assert_close_to_eager(r["losses"], e["losses"][3:])  # the compiled run's weights and optimizer state
 
 
+def test_a_whole_model_compiled_in_fabric_trains_like_eager() -> None:
+    """``fabric.setup_module(torch.compile(model))``: Fabric compiles its wrapper around the sharded model; a graph
+    break at every unit's hooks."""
+    eager = run_on_ranks(fabric_compiled_fit, 2, CompileRun(compiled="none"))
+    compiled = run_on_ranks(fabric_compiled_fit, 2, CompileRun(compiled="model"))
+    for e, c in zip(eager, compiled):  # names: Fabric's own wrapper adds its `_orig_mod.`, as under any strategy
+        _assert_close_to_eager(c["losses"], e["losses"])
+        _assert_compiles_only_in_the_first_two_steps(c["graphs"])
+
+
 def test_compiling_the_lightning_module_is_refused_on_every_rank() -> None:
     results = run_on_ranks(trainer_compiled_fit, 2, CompileRun(compiled="root"))
     for r in results:
