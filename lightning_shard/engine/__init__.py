@@ -6,7 +6,8 @@ replicate together), ``param_shard`` (one parameter's rows and its two faces), `
 unit's all-gather and its gradient reduction), ``collectives`` (the collectives as plain functions),
 ``planning`` (which unit owns which parameter), ``buffers`` (buffers that follow DDP), ``sharded_module`` (the
 engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clipping``,
-``activation_checkpointing``, ``memory`` (what a rank holds) and ``estimate`` (what it would hold).
+``activation_checkpointing``, ``compile`` (compiled blocks with the sharding hooks outside the compiled code),
+``memory`` (what a rank holds) and ``estimate`` (what it would hold).
 """
 
 from __future__ import annotations

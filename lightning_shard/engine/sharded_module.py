@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.buffers import BufferSync, materialize_and_sync_buffers
+from lightning_shard.engine.compile import adopt_compiled_wrappers, outside_compiled_code
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision, parse_dtype
 from lightning_shard.engine.param_shard import ShardedParam
@@ -261,6 +262,7 @@ def shard_module(
     if existing is not None:  # sharded before (an earlier stage or Trainer): keep the shards, use the new groups
         existing.rebind_mesh(mesh)
         return existing
+    adopt_compiled_wrappers(root)  # see [Note: compiled blocks and the sharding hooks] in compile.py
     plan = plan_units(root, policy)
     unit_modules = [(name, module) for name, module, _ in plan]
     assignment: dict[int, list[ShardedParam]] = {id(m): [] for _, m in unit_modules}
@@ -321,22 +323,24 @@ def shard_module(
 
 
 def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | None) -> None:
+    """Every hook runs eagerly, also when the module is compiled: see [Note: compiled blocks and the sharding hooks]
+    in compile.py."""
     root_unit = engine.root_unit
     for unit in engine.units:
         if unit is root_unit:
             unit.module.register_forward_pre_hook(
-                _root_pre_forward(engine, mixed_precision), with_kwargs=True, prepend=True
+                outside_compiled_code(_root_pre_forward(engine, mixed_precision)), with_kwargs=True, prepend=True
             )
         else:
-            unit.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-        unit.module.register_forward_hook(unit.post_forward, with_kwargs=True)
-    root_unit.module.register_forward_hook(_root_post_forward(engine))
+            unit.module.register_forward_pre_hook(outside_compiled_code(unit.pre_forward), with_kwargs=True)
+        unit.module.register_forward_hook(outside_compiled_code(unit.post_forward), with_kwargs=True)
+    root_unit.module.register_forward_hook(outside_compiled_code(_root_post_forward(engine)))
     output_dtype = parse_dtype(mixed_precision.output_dtype) if mixed_precision is not None else None
     if output_dtype is not None:
-        root_unit.module.register_forward_hook(_cast_floating(output_dtype))
+        root_unit.module.register_forward_hook(outside_compiled_code(_cast_floating(output_dtype)))
     owners = {id(m): m for p in root_unit.params for m, _ in p.owners if m is not root_unit.module}
     for module in owners.values():
-        module.register_forward_pre_hook(_gather_root_if_needed(engine))
+        module.register_forward_pre_hook(outside_compiled_code(_gather_root_if_needed(engine)))
 
 
 def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | None):  # noqa: ANN202

@@ -35,6 +35,7 @@ from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
 from lightning_shard.common.strategy_base import ShardStrategyMixin
 from lightning_shard.engine.clipping import clip_grad_norm_
+from lightning_shard.engine.compile import refuse_compiled_root
 from lightning_shard.engine.memory import MemoryReport, memory_report
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
@@ -225,6 +226,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place (the LightningModule is the root unit); it stays the same object."""
+        refuse_compiled_root(model)  # see [Note: compiled blocks and the sharding hooks]
         self._engine = setup_sharded_module(
             model, self.options, self.mesh, self.root_device, self.mixed_precision_config
         )
