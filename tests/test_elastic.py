@@ -28,6 +28,7 @@ pytestmark = pytest.mark.launch
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS and not k.startswith("TORCHELASTIC")}
     env["OMP_NUM_THREADS"] = "1"
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see "Elastic restarts" in docs/operations.md
     return env
 
 
