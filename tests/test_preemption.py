@@ -41,6 +41,29 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _start(command: list[str]) -> subprocess.Popen:
+    """A job in its own process group, so that ``_stop`` can end every rank of it."""
+    return subprocess.Popen(
+        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _stop(job: subprocess.Popen) -> None:
+    """After a failure (a hang, say): no rank of the job outlives the test."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+def _run(command: list[str]) -> tuple[int, str, str]:
+    job = _start(command)
+    try:
+        out, err = job.communicate(timeout=240)
+    finally:
+        _stop(job)
+    return job.returncode, out, err
+
+
 def _losses(path: Path) -> dict[int, float]:
     return {int(step): loss for step, loss in json.loads(path.read_text()).items()}
 
@@ -52,22 +75,21 @@ def _assert_same_losses(actual: dict[int, float], expected: dict[int, float]) ->
 
 
 def test_sigterm_to_one_rank_saves_last_on_every_rank_and_resume_trains_the_remaining_steps(tmp_path: Path) -> None:
-    reference = subprocess.run(
-        _command(tmp_path / "reference"), env=_env(), capture_output=True, text=True, timeout=240
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    code, _, err = _run(_command(tmp_path / "reference"))
+    assert code == 0, err[-3000:]
 
     root = tmp_path / "run"
     root.mkdir()
-    fit = subprocess.Popen(
-        _command(root, "--step-sleep", "0.3"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    pid_file = root / "pid-1"  # the launcher's child: rank 1
-    while not pid_file.exists() and fit.poll() is None:
-        time.sleep(0.05)
-    time.sleep(1.0)  # a few steps in
-    os.kill(int(pid_file.read_text()), signal.SIGTERM)
-    out, err = fit.communicate(timeout=60)  # every rank stops (a hang fails here)
+    fit = _start(_command(root, "--step-sleep", "0.3"))
+    try:
+        pid_file = root / "pid-1"  # the launcher's child: rank 1
+        while not pid_file.exists() and fit.poll() is None:
+            time.sleep(0.05)
+        time.sleep(1.0)  # a few steps in
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        out, err = fit.communicate(timeout=60)  # every rank stops (a hang fails here)
+    finally:
+        _stop(fit)
     report = f"stdout:\n{out[-2000:]}\nstderr:\n{err[-3000:]}"
     last = root / "checkpoints" / "last.ckpt"
     assert fit.returncode == 128 + signal.SIGTERM, report
@@ -77,8 +99,8 @@ def test_sigterm_to_one_rank_saves_last_on_every_rank_and_resume_trains_the_rema
     assert 0 < saved_step < MAX_STEPS, report
     assert (last / "index.json").is_file() and not [p for p in last.parent.iterdir() if p.name.startswith(".")]
 
-    resumed = subprocess.run(_command(root, "--resume"), env=_env(), capture_output=True, text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    code, _, err = _run(_command(root, "--resume"))
+    assert code == 0, err[-3000:]
     for rank in (0, 1):
         uninterrupted = _losses(tmp_path / "reference" / f"losses-{rank}.json")
         assert sorted(_losses(root / f"losses-{rank}.json")) == list(range(saved_step))
