@@ -75,9 +75,7 @@ def _assert_same_losses(actual: dict[int, float], expected: dict[int, float]) ->
 
 
 def test_sigterm_to_one_rank_saves_last_on_every_rank_and_resume_trains_the_remaining_steps(tmp_path: Path) -> None:
-    code, _, err = _run(_command(tmp_path / "reference"))
-    assert code == 0, err[-3000:]
-
+    reference = _start(_command(tmp_path / "reference"))  # never interrupted; runs alongside
     root = tmp_path / "run"
     root.mkdir()
     fit = _start(_command(root, "--step-sleep", "0.3"))
@@ -88,8 +86,11 @@ def test_sigterm_to_one_rank_saves_last_on_every_rank_and_resume_trains_the_rema
         time.sleep(1.0)  # a few steps in
         os.kill(int(pid_file.read_text()), signal.SIGTERM)
         out, err = fit.communicate(timeout=60)  # every rank stops (a hang fails here)
+        _, reference_err = reference.communicate(timeout=240)
     finally:
         _stop(fit)
+        _stop(reference)
+    assert reference.returncode == 0, reference_err[-3000:]
     report = f"stdout:\n{out[-2000:]}\nstderr:\n{err[-3000:]}"
     last = root / "checkpoints" / "last.ckpt"
     assert fit.returncode == 128 + signal.SIGTERM, report
