@@ -9,7 +9,6 @@ Once the ranks agree, they save ``last.ckpt`` together and the fit ends with ``P
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,8 +23,6 @@ from lightning_shard.common.preemption import PreemptionWatcher, preemption_sign
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-log = logging.getLogger(__name__)
 
 LAST_NAME = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST; also the name under default_root_dir without one
 
