@@ -66,8 +66,11 @@ class _OneProcessFabric(L.Fabric):
 
 @pytest.fixture
 def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    import signal
+
     import torch.distributed as dist
 
+    sigterm_handler = signal.getsignal(signal.SIGTERM)  # a Fabric block may watch for preemption
     calls: list[str] = []
     for name in ("fit", "validate", "test", "predict"):
         monkeypatch.setattr(L.Trainer, name, lambda self, *a, _n=name, **k: calls.append(_n))
@@ -84,6 +87,7 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
            "model": LitModel("gpt"), "datamodule": _Data(), "loader": loader("gpt"), "__name__": "__doc_snippet__"}
     if dist.is_initialized():  # a Fabric block initialised a one-rank process group in this process
         dist.destroy_process_group()
+    signal.signal(signal.SIGTERM, sigterm_handler)
 
 
 @pytest.mark.parametrize("code", _blocks("python"))

@@ -15,7 +15,7 @@ from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_shard.checkpoint.background import BackgroundSaver
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.precision import translate_precision
+from lightning_shard.common.preemption import PreemptionWatcher, preemption_signals
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
 from lightning_shard.common.strategy_base import ShardStrategyMixin
@@ -123,6 +124,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         self._backward_sync_control = _ShardBackwardSyncControl(self)
         self._mesh: ShardMesh | None = None
         self._engines: list[ShardedModule] = []  # one per module set up, in order
+        self._preemption: PreemptionWatcher | None = None  # watching from the first preemption_requested() on
 
     # Properties #
 
@@ -330,11 +332,35 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             )
         return load_fabric_state(directory, state, strict)
 
+    # Preemption (see [Note: preemption at a step boundary]) #
+
+    def preemption_requested(self) -> bool:
+        """Whether any rank received a preemption signal (SIGTERM; with ``SLURMEnvironment(auto_requeue=True)`` also
+        its requeue signal): the same answer on every rank. Collective: call it on every rank at the same step
+        boundary, e.g. after ``optimizer.step()``; when it says ``True``, save with ``fabric.save`` and call
+        ``exit_for_preemption()``. From the first call on, those signals are recorded instead of ending the process.
+        """
+        if self._preemption is None:
+            self._preemption = PreemptionWatcher(*preemption_signals(self.cluster_environment))
+            self._preemption.install()
+        return self._preemption.agree(self.root_device)
+
+    def exit_for_preemption(self) -> NoReturn:
+        """End the process after a preemption the ranks agreed on, with ``128 + signal number`` (143 for SIGTERM);
+        after SLURM's requeue signal with ``SLURMEnvironment(auto_requeue=True)``, global rank 0 first requeues the
+        job. Call it on every rank once ``fabric.save`` wrote the checkpoint."""
+        if self._preemption is None or self._preemption.agreed_signal is None:
+            raise RuntimeError("No preemption was agreed on: exit_for_preemption() follows preemption_requested().")
+        self._preemption.requeue_if_asked(self.global_rank)
+        raise SystemExit(self._preemption.exit_code)
+
     # Teardown #
 
     @override
     def teardown(self) -> None:
         self._saver.close()
+        if self._preemption is not None:
+            self._preemption.restore()
         for engine in self._engines:
             engine.reshard_all()
         if self._mesh is not None:

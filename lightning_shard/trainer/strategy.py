@@ -55,6 +55,7 @@ from lightning_shard.trainer.checkpoints import (
     saves_in_background,
 )
 from lightning_shard.trainer.precision import ShardPrecision, as_shard_precision
+from lightning_shard.trainer.preemption import attach_preemption, detach_preemption
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -222,6 +223,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:  # optimizer state lives with the shards
             _optimizers_to_device(self.optimizers, torch.device("cpu") if self.offloads else self.root_device)
+            attach_preemption(trainer, finish_saves=self._saver.wait)  # see [Note: preemption at a step boundary]
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -406,6 +408,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self._saver.close()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            detach_preemption(self.lightning_module._trainer)
         if self._engine is not None:
             self._engine.reshard_all()
         if self._mesh is not None:

@@ -1,0 +1,114 @@
+"""A Trainer fit under torchrun that resumes from its newest ``last.ckpt`` whenever torchrun (re)starts it, at any
+world size, with the same global batch:
+
+    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \\
+        --rdzv-id demo tests/scripts/elastic_fit.py --root /tmp/elastic
+
+Global rank 0 appends one JSON line per step to ``<root>/losses.jsonl``: the step, the loss averaged over all ranks
+(the loss of the global batch), the world size and torchrun's restart count. Each worker writes its process id to
+``<root>/worker-<agent pid>-<local rank>`` when training starts, for the test to take a node down.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Sampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_shard import ShardStrategy  # noqa: E402
+from tests.models import LitModel, MLPBlock, make_dataset  # noqa: E402
+
+GLOBAL_BATCH = 8  # samples per optimizer step, whatever the world size
+
+
+class GlobalBatchSampler(Sampler[int]):
+    """Step ``s`` of an epoch trains on samples ``order[s * G:(s + 1) * G]`` of a seeded permutation, split evenly
+    over the ranks, so that a global batch is the same at any world size; a resumed epoch starts at ``start_step``.
+    [Note: the same global batch at any world size] in docs/operations.md explains the choice."""
+
+    def __init__(self, n: int, rank: int, world_size: int, start_step: int) -> None:
+        if GLOBAL_BATCH % world_size:
+            raise ValueError(f"GLOBAL_BATCH={GLOBAL_BATCH} must be divisible by the world size, got {world_size}.")
+        self.n, self.rank, self.start_step, self.epoch = n, rank, start_step, 0
+        self.per_rank = GLOBAL_BATCH // world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        start, self.start_step = self.start_step, 0
+        for step in range(start, self.n // GLOBAL_BATCH):
+            first = step * GLOBAL_BATCH + self.rank * self.per_rank
+            yield from order[first : first + self.per_rank]
+
+    def __len__(self) -> int:  # the whole epoch's, so the Trainer counts its batches as in an uninterrupted run
+        return self.n // GLOBAL_BATCH * self.per_rank
+
+
+class ElasticModel(LitModel):
+    def __init__(self, root: Path, step_sleep: float) -> None:
+        super().__init__("mlp")
+        self.root, self.step_sleep = root, step_sleep
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = make_dataset("mlp")
+        world_size = self.trainer.world_size
+        start_step = self.trainer.global_step % (len(dataset) // GLOBAL_BATCH)  # restored when resuming
+        sampler = GlobalBatchSampler(len(dataset), self.global_rank, world_size, start_step)
+        return DataLoader(dataset, batch_size=GLOBAL_BATCH // world_size, sampler=sampler)
+
+    def on_train_start(self) -> None:
+        (self.root / f"worker-{os.getppid()}-{self.local_rank}").write_text(str(os.getpid()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        global_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        if self.global_rank == 0:
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            world_size = self.trainer.world_size
+            record = {"step": self.trainer.global_step, "loss": global_loss.item(), "world_size": world_size,
+                      "restart": restart}
+            with open(self.root / "losses.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        time.sleep(self.step_sleep)  # leaves the test time to take a node down mid-fit
+        return loss
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    args.root.mkdir(parents=True, exist_ok=True)
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=local_world_size,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // local_world_size,  # as many nodes as this (re)start has
+        strategy=ShardStrategy(auto_wrap_policy={MLPBlock}),
+        max_steps=args.max_steps,
+        use_distributed_sampler=False,
+        logger=False,
+        callbacks=[
+            ModelCheckpoint(dirpath=args.root / "checkpoints", every_n_train_steps=2, save_top_k=0, save_last=True)
+        ],
+        default_root_dir=args.root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(ElasticModel(args.root, args.step_sleep), ckpt_path="last")  # the newest complete checkpoint, if any
+    print(f"rank {trainer.global_rank} of {trainer.world_size} finished at step {trainer.global_step}", flush=True)

@@ -1,0 +1,114 @@
+"""A fit that a preemption signal can interrupt, and its resumption, under Lightning's subprocess launcher.
+
+    python tests/scripts/preempt_fit.py --root /tmp/run --max-steps 10             # runs until SIGTERM, or to the end
+    python tests/scripts/preempt_fit.py --root /tmp/run --max-steps 10 --resume    # fit(ckpt_path="last")
+
+Each rank writes ``pid-<rank>`` under ``--root`` once training runs (for the test to signal it), and
+``losses-<rank>.json``: the loss of every global step this process trained. The data order is restorable: the
+sampler is deterministic and skips the batches of the epoch that the checkpoint says were done.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Sampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_shard import ShardStrategy  # noqa: E402
+from lightning_shard.trainer.preemption import Preempted  # noqa: E402
+from tests.models import LitModel, MLPBlock, make_dataset  # noqa: E402
+
+BATCH = 4
+
+
+class ResumableSampler(Sampler[int]):
+    """This rank's share of a seeded permutation per epoch, starting ``skip`` samples in (a resumed epoch). Its length
+    is the whole epoch's, so the Trainer counts the epoch's batches as in an uninterrupted run."""
+
+    def __init__(self, n: int, rank: int, world_size: int, skip: int) -> None:
+        self.n, self.rank, self.world_size, self.skip, self.epoch = n, rank, world_size, skip, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        mine = order[self.rank :: self.world_size]
+        skip, self.skip = self.skip, 0
+        return iter(mine[skip:])
+
+    def __len__(self) -> int:
+        return self.n // self.world_size
+
+
+class PreemptibleModel(LitModel):
+    def __init__(self, root: Path, step_sleep: float) -> None:
+        super().__init__("mlp")
+        self.root, self.step_sleep = root, step_sleep
+        self.start_batch = 0
+        self.step_losses: dict[int, float] = {}
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = make_dataset("mlp")
+        sampler = ResumableSampler(len(dataset), self.global_rank, self.trainer.world_size, self.start_batch * BATCH)
+        return DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+
+    def on_train_start(self) -> None:
+        (self.root / f"pid-{self.global_rank}").write_text(str(os.getpid()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.step_losses[self.trainer.global_step] = self.losses[-1]
+        time.sleep(self.step_sleep)  # leaves the test time to signal mid-fit
+        return loss
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["batches_done_in_epoch"] = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.start_batch = checkpoint["batches_done_in_epoch"]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    args.root.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardStrategy(auto_wrap_policy={MLPBlock}),
+        max_steps=args.max_steps,
+        use_distributed_sampler=False,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=args.root / "checkpoints")],
+        default_root_dir=args.root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = PreemptibleModel(args.root, args.step_sleep)
+    status = "finished"
+    try:
+        trainer.fit(model, ckpt_path="last" if args.resume else None)
+    except Preempted as stop:
+        status = f"preempted: saved {stop.checkpoint_path}, exit status {stop.code}"
+        raise
+    finally:
+        losses = args.root / f"losses-{trainer.global_rank}{'-resumed' if args.resume else ''}.json"
+        losses.write_text(json.dumps(model.step_losses))
+        print(f"rank {trainer.global_rank} {status} at step {trainer.global_step}", flush=True)
