@@ -152,18 +152,20 @@ def reduce_scatter_exchange(
 
 
 def reduce_scatter_sum(
-    full: Tensor, group: ProcessGroup, async_op: bool = False, divide_by: int = 1
+    full: Tensor, group: ProcessGroup, async_op: bool = False, divide_by: int = 1, out: Tensor | None = None
 ) -> Pending:
-    """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (new tensor)
-    divided by ``divide_by``."""
+    """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (in
+    ``out``, 1D, if given; else a new tensor) divided by ``divide_by``."""
     group_size = group.size()
     start = time.perf_counter()
     STATS.reduce_bytes += full.numel() * full.element_size()
     with record_function("lightning_shard::reduce_scatter"):
-        out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
+        if out is None:
+            out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
         work = dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
     STATS.seconds += time.perf_counter() - start
-    return Pending(work, lambda: out.div_(divide_by) if divide_by != 1 else out)
+    result = out
+    return Pending(work, lambda: result.div_(divide_by) if divide_by != 1 else result)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:

@@ -48,6 +48,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_shard.engine import collectives
+from lightning_shard.engine.buffer_pool import BufferPool
 from lightning_shard.engine.buffers import BufferSync, materialize_and_sync_buffers
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision, parse_dtype
@@ -77,9 +78,11 @@ class ShardedModule:
         self._position: dict[int, int] = {}
         self._pending_reduction: collectives.Pending | None = None
         self.buffer_sync = BufferSync(root, mesh.world_size)  # see [Note: buffers follow DDP]
+        self.pool = BufferPool()  # every unit's step buffers: see [Note: the buffer pool]
         # Parameters built on the meta device by modules without reset_parameters(), not loaded yet: fqn -> where.
         self.uninitialized: dict[str, str] = {}
         for unit in units:
+            unit.pool = self.pool
             unit.on_first_pre_backward = self._queue_end_of_backward
             unit.on_pre_forward = self._before_unit_forward
             unit.on_reshard_after_forward = self._defer_reshard

@@ -6,8 +6,12 @@ A unit owns two flat buffers:
   padded, concatenated. The sharded ``nn.Parameter`` faces are views of it (the fp32 master
   weights under mixed precision).
 - ``flat_unsharded: Tensor  # 1D (shard_size * B,), uint8``: every parameter in full, param-major,
-  padded, each in its compute dtype (``B`` bytes per rank). Its storage is freed (resized to 0)
-  while the unit is sharded and refilled by ``unshard()``.
+  padded, each in its compute dtype (``B`` bytes per rank). Its storage is empty while the unit is
+  sharded: ``unshard()`` fills it with a block of the engine's ``BufferPool`` and ``reshard()``
+  gives the block back (see [Note: the buffer pool]).
+- ``sharded_grads: Tensor  # 1D (G + k,), parameter dtype, on the shard device``: the memory of the
+  shards' ``.grad`` (views of it), allocated at the first reduction and kept, so that a gradient
+  reduction after ``zero_grad()`` lands in memory the process already has.
 
 When nothing needs gathering or casting (one-rank shard group, compute dtype = parameter dtype,
 as under ``NO_SHARD`` in fp32) the unsharded buffer is a byte view of the sharded one.
@@ -48,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.autograd_nodes import ReachedByBackward, RegisterPostBackward
+from lightning_shard.engine.buffer_pool import BufferPool
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.reduction import start_reduction
@@ -85,8 +90,10 @@ class ShardUnit:
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None = None,
         shard_device: torch.device | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
         self.name = name
+        self.pool = pool or BufferPool()  # the engine's, shared by its units: see [Note: the buffer pool]
         self.device = device  # where the unit computes and communicates
         self.shard_device = shard_device or device  # where its shards live: see [Note: CPU offload]
         self.module = module
@@ -118,8 +125,12 @@ class ShardUnit:
                 p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         # Each parameter's full bytes in the unsharded buffer (views stay valid while its storage is freed).
         self._regions = [p.unsharded_region(self.flat_unsharded) for p in self.params]
+        if self.materializes:  # empty until unshard() fills it from the pool
+            self.flat_unsharded.untyped_storage().resize_(0)
         self.state = UnitState.UNSHARDED
         self._pending_gather: collectives.Pending | None = None
+        self._gather_blocks: list[Tensor] = []  # pool blocks the gather in flight uses, given back when it lands
+        self.sharded_grads: Tensor | None = None  # see the module docstring
         self._restore_version: AbstractContextManager = nullcontext()
         self.backward_state = BackwardState.IDLE
         self.hold_grads = False  # set by the engine while gradients accumulate unreduced (grad_sync="step")
@@ -194,7 +205,7 @@ class ShardUnit:
             self._pending_gather = None
             return
         with record_function(f"lightning_shard::unshard({self.name})"):
-            self.flat_unsharded.untyped_storage().resize_(self.flat_unsharded.numel())
+            self.pool.fill(self.flat_unsharded.untyped_storage(), self.flat_unsharded.numel())
             # The version to restore once the gather has landed (a backend thread may write, and so bump the
             # version counter, any time before wait() returns): see [Note: unit states and autograd].
             self._restore_version = torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded)
@@ -204,6 +215,8 @@ class ShardUnit:
                 self._pending_gather = None
                 return
             send = self._all_gather_input()
+            if self.casts or self.offloaded:  # staged in a pool block
+                self._gather_blocks.append(send)
             if collectives.exchanges_point_to_point(self.mesh.shard_backend, self.device):
                 pieces = [(r, p) for r, p in zip(self._regions, self.params) if p.padded_gather_bytes > 0]
                 with torch.no_grad():
@@ -214,7 +227,8 @@ class ShardUnit:
                         async_op,
                     )
             else:
-                gathered = torch.empty(self.mesh.shard_size * self.gather_bytes, dtype=torch.uint8, device=send.device)
+                gathered = self.pool.take(self.mesh.shard_size * self.gather_bytes, send.device)
+                self._gather_blocks.append(gathered)
                 self._pending_gather = collectives.all_gather_flat(gathered, send, group, async_op)
 
     def _finish_unshard(self) -> None:
@@ -231,6 +245,9 @@ class ShardUnit:
                     dim=1,
                     out=[r.view(n, -1) for r in self._regions],
                 )
+        for block in self._gather_blocks:  # the gather has landed: its staging is free again
+            self.pool.give(block)
+        self._gather_blocks.clear()
         self.state = UnitState.UNSHARDED
         for p in self.params:
             p.expose_unsharded()
@@ -240,7 +257,7 @@ class ShardUnit:
         compute dtypes, uploaded from CPU memory under offload) in ``into`` or a new buffer."""
         if not self.casts and not self.offloaded:
             return self.flat_sharded.view(torch.uint8)
-        send = into if into is not None else torch.empty(self.gather_bytes, dtype=torch.uint8, device=self.device)
+        send = into if into is not None else self.pool.take(self.gather_bytes, self.device)
         if not self.casts:
             send.copy_(self.flat_sharded.view(torch.uint8), non_blocking=True)
             return send
@@ -260,7 +277,7 @@ class ShardUnit:
         for p in self.params:
             p.expose_sharded()
         if self.materializes:
-            self.flat_unsharded.untyped_storage().resize_(0)
+            self.pool.drain(self.flat_unsharded.untyped_storage())
         self.state = UnitState.SHARDED
 
     def start_reduce_grads(self) -> collectives.Pending | None:
@@ -271,6 +288,14 @@ class ShardUnit:
             return None
         with record_function(f"lightning_shard::reduce_grads({self.name})"):
             return start_reduction(self, async_op=self.mesh.replicate_group is None)
+
+    def grad_landing(self) -> Tensor:
+        """``sharded_grads``: where this rank's reduced rows go (the shards' ``.grad`` are views of it), allocated
+        from the pool at the first reduction and kept from then on."""
+        if self.sharded_grads is None:
+            numel = self.grad_sharded_numel + len(self.trainable)  # the rows, then room for the "was used" flags
+            self.sharded_grads = self.pool.take(numel * self.dtype.itemsize, self.shard_device).view(self.dtype)
+        return self.sharded_grads
 
     def _on_grad_accumulated(self, _param: Tensor) -> None:
         self.expect_backward()
