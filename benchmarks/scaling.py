@@ -4,6 +4,7 @@ ShardStrategy's engine, PyTorch's fully_shard, DDP (where it fits in memory) and
     .venv/bin/python benchmarks/scaling.py                      # all sizes; writes docs/benchmarks.md's table + PNG
     .venv/bin/python benchmarks/scaling.py --sizes 25M --engines shard ddp --no-write
     .venv/bin/python benchmarks/scaling.py --sizes 1B --engines shard --profile /tmp/prof   # cProfile per rank
+    .venv/bin/python benchmarks/scaling.py --sizes 1B --results runs.json   # add to (or redo in) earlier runs
 
 Every run is fresh processes: 2 gloo ranks with one thread each (the single process: one rank, same per-rank
 batch), the model built on the meta device and initialised sharded (DDP and the single process build it in
@@ -197,18 +198,22 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--profile", help="cProfile the measured steps into PROFILE.<size>.<engine>.rank<r>")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--results", help="a JSON file of results: runs already in it are kept, new ones added")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    results: dict[str, dict[str, dict[str, float]]] = {}
+    saved = Path(args.results) if args.results else None
+    results: dict[str, dict[str, dict[str, float]]] = json.loads(saved.read_text()) if saved and saved.exists() else {}
     port = args.port
     for size_name in args.sizes:
-        results[size_name] = {}
         for engine in args.engines:
             if not fits(engine, SIZES[size_name]):
                 continue
             port += 1
-            results[size_name][engine] = run(engine, size_name, port, args.profile)
+            results.setdefault(size_name, {})[engine] = run(engine, size_name, port, args.profile)
             print(size_name, engine, json.dumps(results[size_name][engine]), flush=True)
+            if saved:
+                saved.write_text(json.dumps(results, indent=1))
+    results = {s: {e: results[s][e] for e in ENGINES if e in results[s]} for s in SIZES if s in results}
     if args.profile:
         for path in sorted(Path(args.profile).parent.glob(Path(args.profile).name + ".*.rank*")):
             print(path)

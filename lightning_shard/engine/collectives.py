@@ -133,8 +133,7 @@ def all_gather_pieces(
     slots = [output.view(size, -1) for output in outputs]
     with record_function("lightning_shard::all_gather"):
         pending = exchange([inputs] * size, [[slot[q] for slot in slots] for q in range(size)], group)
-        for slot, piece in zip(slots, inputs):
-            slot[rank].copy_(piece)
+        torch._foreach_copy_([slot[rank] for slot in slots], inputs)  # this rank's pieces, in one call
     STATS.all_gather_bytes += sum(o.numel() * o.element_size() for o in outputs)
     if not async_op:
         pending.wait()

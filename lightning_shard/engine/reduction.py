@@ -124,12 +124,14 @@ def _start_exchange(unit: ShardUnit, grads: list[Tensor | None]) -> collectives.
             # Two ranks: add this rank's part into the peer's row (a + b == b + a). More: put it in its own
             # row and sum the rows in rank order, the same order on every rank.
             target = row_of(me)
-            place = Tensor.add_ if n == 2 else Tensor.copy_
+            places, pieces = [target[total:]], [used]
             for p, m in zip(unit.trainable, mats):
                 if p.local_rows:
                     first, count = p.rows_held_by(me)
-                    place(own_piece(target, p), m[first : first + count].view(-1))
-            place(target[total:], used)
+                    places.append(own_piece(target, p))
+                    pieces.append(m[first : first + count].view(-1))
+            # One call for every parameter's part.
+            (torch._foreach_add_ if n == 2 else torch._foreach_copy_)(places, pieces)
             if n == 2:
                 out = target
             elif landing is not None:
@@ -175,17 +177,21 @@ def _finish(unit: ShardUnit, reduced: Tensor, used_here: list[bool], blocks: lis
     if not landed and all(p.sharded.grad is None for p in unit.trainable):  # one copy (cast, download) for all
         landing[:total].copy_(reduced[:total])
         landed = True
-    for p, is_used in zip(unit.trainable, used_anywhere):
+    accumulated: list[Tensor] = []
+    increments: list[Tensor] = []
+    for p, is_used, grad in zip(unit.trainable, used_anywhere, unit.grad_views()):
         if not is_used:
             continue
         rows = slice(p.grad_offset, p.grad_offset + p.local_rows * p.row_numel)
         if p.sharded.grad is None:  # its rows of the gradient memory are free (see [Note: the buffer pool])
-            grad = landing[rows].view(p.sharded.shape)
             if not landed:
                 grad.copy_(reduced[rows].view(p.sharded.shape))
             p.sharded.grad = grad
         else:
-            p.sharded.grad.add_(reduced[rows].view(p.sharded.shape).to(device=unit.shard_device, dtype=unit.dtype))
+            accumulated.append(p.sharded.grad)
+            increments.append(reduced[rows].view(p.sharded.shape).to(device=unit.shard_device, dtype=unit.dtype))
+    if accumulated:
+        torch._foreach_add_(accumulated, increments)
     for block in blocks:
         unit.pool.give(block)
 

@@ -125,12 +125,21 @@ class ShardUnit:
                 p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         # Each parameter's full bytes in the unsharded buffer (views stay valid while its storage is freed).
         self._regions = [p.unsharded_region(self.flat_unsharded) for p in self.params]
+        # The point-to-point gather's pieces (params with bytes to gather): where they land, and what this rank
+        # sends when that is the sharded buffer itself (views stay valid: the buffers keep their storages).
+        self._gathered = [p for p in self.params if p.padded_gather_bytes > 0]
+        sharded_bytes = self.flat_sharded.view(torch.uint8)
+        self._gather_pieces = (
+            [r for r, p in zip(self._regions, self.params) if p.padded_gather_bytes > 0],
+            [sharded_bytes[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for p in self._gathered],
+        )
         if self.materializes:  # empty until unshard() fills it from the pool
             self.flat_unsharded.untyped_storage().resize_(0)
         self.state = UnitState.UNSHARDED
         self._pending_gather: collectives.Pending | None = None
         self._gather_blocks: list[Tensor] = []  # pool blocks the gather in flight uses, given back when it lands
         self.sharded_grads: Tensor | None = None  # see the module docstring
+        self._grad_views: list[Tensor] = []  # views of sharded_grads, one per trainable parameter
         self._restore_version: AbstractContextManager = nullcontext()
         self.backward_state = BackwardState.IDLE
         self.hold_grads = False  # set by the engine while gradients accumulate unreduced (grad_sync="step")
@@ -218,14 +227,11 @@ class ShardUnit:
             if self.casts or self.offloaded:  # staged in a pool block
                 self._gather_blocks.append(send)
             if collectives.exchanges_point_to_point(self.mesh.shard_backend, self.device):
-                pieces = [(r, p) for r, p in zip(self._regions, self.params) if p.padded_gather_bytes > 0]
+                outputs, pieces = self._gather_pieces
+                if self.casts or self.offloaded:  # staged in a new block: slice it
+                    pieces = [send[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for p in self._gathered]
                 with torch.no_grad():
-                    self._pending_gather = collectives.all_gather_pieces(
-                        [r for r, _ in pieces],
-                        [send[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for _, p in pieces],
-                        group,
-                        async_op,
-                    )
+                    self._pending_gather = collectives.all_gather_pieces(outputs, pieces, group, async_op)
             else:
                 gathered = self.pool.take(self.mesh.shard_size * self.gather_bytes, send.device)
                 self._gather_blocks.append(gathered)
@@ -295,7 +301,16 @@ class ShardUnit:
         if self.sharded_grads is None:
             numel = self.grad_sharded_numel + len(self.trainable)  # the rows, then room for the "was used" flags
             self.sharded_grads = self.pool.take(numel * self.dtype.itemsize, self.shard_device).view(self.dtype)
+            self._grad_views = [
+                self.sharded_grads[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel].view(p.sharded.shape)
+                for p in self.trainable
+            ]
         return self.sharded_grads
+
+    def grad_views(self) -> list[Tensor]:
+        """Each trainable shard's ``.grad`` as a view of ``sharded_grads`` (made once)."""
+        self.grad_landing()
+        return self._grad_views
 
     def _on_grad_accumulated(self, _param: Tensor) -> None:
         self.expect_backward()
