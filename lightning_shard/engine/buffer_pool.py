@@ -9,9 +9,18 @@ when freed, so every refill touches fresh pages, and the kernel spends more time
 zeroing them than the step spends computing (at a billion parameters, most of the step).
 
 ``BufferPool`` keeps every block it hands out, by device and size, and hands a free one out again
-before it allocates: after the first step every buffer is a block the pool already had. The pool
-grows only to what is in use at the same time, so it never holds more than the step's peak needs;
-its blocks stay between steps (their bytes are part of the peak already).
+before it allocates. It grows only to what is in use at the same time: two units' unsharded
+buffers, the reductions' receive buffers, the staging.
+
+The pool must not raise the step's peak, which comes at the end of backward (the shards' gradients
+and the optimizer state are all there). The old way, the block of the last-but-one unit of backward
+went back to the allocator while the last unit ran; a pool that kept it would hold it idle right at
+the peak. So during backward a block goes back to the allocator when no unit still to run in this
+backward needs one of its size and another unit of its size still holds one (``ShardedModule``
+decides, knowing the order). What stays are the blocks of the last unit of each size and the
+gradient memory, through the optimizer step (below the peak) into the next forward, which takes
+them back and allocates one block per size anew: a few blocks a step instead of one per unit per
+gather, and the same peak.
 
 A unit's unsharded buffer must keep its identity: autograd holds views of it from forward to
 backward, and the backward gather must land in the storage those views see. So the pool does not
@@ -74,6 +83,10 @@ class BufferPool:
     def free_bytes(self) -> int:
         """Bytes held for reuse now (not handed out)."""
         return sum(block.numel() for blocks in self._free.values() for block in blocks)
+
+    def release_free(self, nbytes: int, device: torch.device) -> None:
+        """Release the free blocks of ``nbytes`` on ``device`` to the allocator."""
+        self._free.pop((_canonical(device), nbytes), None)
 
     def clear(self) -> None:
         """Release the free blocks to the allocator (the next ``take`` of each size allocates again)."""

@@ -149,6 +149,7 @@ class ShardUnit:
         self.on_pre_forward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         self.on_forward_started: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         self.on_pre_backward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
+        self.on_resharded_in_backward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         # The engine overlaps reductions with the rest of backward; alone, a unit finishes its own at once.
         self.on_reduce_started: Callable[[collectives.Pending | None], None] = _wait_now
         self.on_reshard_after_forward: Callable[[ShardUnit], None] = ShardUnit.reshard  # the engine may defer it
@@ -362,6 +363,7 @@ class ShardUnit:
         if self.backward_state is BackwardState.IDLE:
             return
         self.reshard()  # the weights are not needed to reduce: free them first, lowering the peak
+        self.on_resharded_in_backward(self)
         if self.hold_grads:
             self.backward_state = BackwardState.HELD
             return
