@@ -157,9 +157,14 @@ def _keep_local_grads(unit: ShardUnit, grads: list[Tensor | None]) -> None:
 
 def _direct_landing(unit: ShardUnit) -> Tensor | None:
     """The unit's ``sharded_grads`` when the reduction can land in it as it is: no shard has a gradient (after
-    ``zero_grad()``), and the reduce dtype and device are the shards'. ``None`` otherwise."""
-    if unit.reduce_dtype != unit.dtype or unit.offloaded or any(p.sharded.grad is not None for p in unit.trainable):
+    ``zero_grad()``), no earlier reduction of the unit is still landing there (a unit run in several forwards
+    before one backward reduces once per forward), and the reduce dtype and device are the shards'. ``None``
+    otherwise; the caller then marks it in flight until ``_finish``."""
+    if unit.reduce_dtype != unit.dtype or unit.offloaded or unit.landing_in_flight:
         return None
+    if any(p.sharded.grad is not None for p in unit.trainable):
+        return None
+    unit.landing_in_flight = True
     return unit.grad_landing()
 
 
@@ -174,6 +179,8 @@ def _finish(unit: ShardUnit, reduced: Tensor, used_here: list[bool], blocks: lis
     used_anywhere = used_here if all(used_here) else (reduced[total:] > 0).tolist()
     landing = unit.grad_landing()
     landed = reduced.data_ptr() == landing.data_ptr()
+    if landed:
+        unit.landing_in_flight = False
     if not landed and all(p.sharded.grad is None for p in unit.trainable):  # one copy (cast, download) for all
         landing[:total].copy_(reduced[:total])
         landed = True

@@ -140,6 +140,7 @@ class ShardUnit:
         self._gather_blocks: list[Tensor] = []  # pool blocks the gather in flight uses, given back when it lands
         self.sharded_grads: Tensor | None = None  # see the module docstring
         self._grad_views: list[Tensor] = []  # views of sharded_grads, one per trainable parameter
+        self.landing_in_flight = False  # a reduction is receiving straight into sharded_grads
         self._restore_version: AbstractContextManager = nullcontext()
         self.backward_state = BackwardState.IDLE
         self.hold_grads = False  # set by the engine while gradients accumulate unreduced (grad_sync="step")
