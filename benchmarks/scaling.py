@@ -5,6 +5,7 @@ ShardStrategy's engine, PyTorch's fully_shard, DDP (where it fits in memory) and
     .venv/bin/python benchmarks/scaling.py --sizes 25M --engines shard ddp --no-write
     .venv/bin/python benchmarks/scaling.py --sizes 1B --engines shard --profile /tmp/prof   # cProfile per rank
     .venv/bin/python benchmarks/scaling.py --sizes 1B --results runs.json   # add to (or redo in) earlier runs
+    .venv/bin/python benchmarks/scaling.py --results runs.json --table-only  # write the table and plot of runs.json
 
 Every run is fresh processes: 2 gloo ranks with one thread each (the single process: one rank, same per-rank
 batch), the model built on the meta device and initialised sharded (DDP and the single process build it in
@@ -199,12 +200,13 @@ def main() -> None:
     parser.add_argument("--profile", help="cProfile the measured steps into PROFILE.<size>.<engine>.rank<r>")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--results", help="a JSON file of results: runs already in it are kept, new ones added")
+    parser.add_argument("--table-only", action="store_true", help="run nothing: the table (and plot) of --results")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     saved = Path(args.results) if args.results else None
     results: dict[str, dict[str, dict[str, float]]] = json.loads(saved.read_text()) if saved and saved.exists() else {}
     port = args.port
-    for size_name in args.sizes:
+    for size_name in [] if args.table_only else args.sizes:
         for engine in args.engines:
             if not fits(engine, SIZES[size_name]):
                 continue
@@ -260,7 +262,7 @@ def _write(table: str, results: dict[str, dict[str, dict[str, float]]]) -> None:
     except ImportError:
         print("matplotlib is not installed: no PNG written")
         return
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     for engine in ENGINES:
         points = [(SIZES[s].params / 1e6, r[engine]) for s, r in results.items() if engine in r]
         if not points:
@@ -268,13 +270,16 @@ def _write(table: str, results: dict[str, dict[str, dict[str, float]]]) -> None:
         xs = [x for x, _ in points]
         axes[0].plot(xs, [r["step"] for _, r in points], "o-", label=NAMES[engine])
         axes[1].plot(xs, [r["peak_rss_gb"] for _, r in points], "o-", label=NAMES[engine])
-        axes[2].plot(xs, [r["system_s"] / (r["user_s"] + r["system_s"]) for _, r in points], "o-",
+        axes[2].plot(xs, [r["user_s"] + r["system_s"] for _, r in points], "o-", label=NAMES[engine])
+        axes[3].plot(xs, [r["system_s"] / (r["user_s"] + r["system_s"]) for _, r in points], "o-",
                      label=NAMES[engine])
-    for ax, title in zip(axes, ["median step (s)", "peak RSS a rank (GB)", "kernel share of CPU time"]):
+    titles = ["median step (s)", "peak RSS a rank (GB)", "CPU s a step (user + system)", "kernel share of CPU time"]
+    for ax, title in zip(axes, titles):
         ax.set_xscale("log")
         ax.set_xlabel("parameters (M)")
         ax.set_title(title)
     axes[0].set_yscale("log")
+    axes[2].set_yscale("log")
     axes[0].legend()
     fig.suptitle("GPT, 2 gloo ranks (one thread each), fp32 AdamW")
     fig.tight_layout()
