@@ -133,8 +133,7 @@ def all_gather_pieces(
     slots = [output.view(size, -1) for output in outputs]
     with record_function("lightning_shard::all_gather"):
         pending = exchange([inputs] * size, [[slot[q] for slot in slots] for q in range(size)], group)
-        for slot, piece in zip(slots, inputs):
-            slot[rank].copy_(piece)
+        torch._foreach_copy_([slot[rank] for slot in slots], inputs)  # this rank's pieces, in one call
     STATS.all_gather_bytes += sum(o.numel() * o.element_size() for o in outputs)
     if not async_op:
         pending.wait()
@@ -152,18 +151,20 @@ def reduce_scatter_exchange(
 
 
 def reduce_scatter_sum(
-    full: Tensor, group: ProcessGroup, async_op: bool = False, divide_by: int = 1
+    full: Tensor, group: ProcessGroup, async_op: bool = False, divide_by: int = 1, out: Tensor | None = None
 ) -> Pending:
-    """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (new tensor)
-    divided by ``divide_by``."""
+    """Sum ``full`` (1D, ``group size`` equal chunks) over the group; ``wait()`` gives this rank's chunk (in
+    ``out``, 1D, if given; else a new tensor) divided by ``divide_by``."""
     group_size = group.size()
     start = time.perf_counter()
     STATS.reduce_bytes += full.numel() * full.element_size()
     with record_function("lightning_shard::reduce_scatter"):
-        out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
+        if out is None:
+            out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
         work = dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
     STATS.seconds += time.perf_counter() - start
-    return Pending(work, lambda: out.div_(divide_by) if divide_by != 1 else out)
+    result = out
+    return Pending(work, lambda: result.div_(divide_by) if divide_by != 1 else result)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:

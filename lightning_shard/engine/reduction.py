@@ -5,6 +5,10 @@ Each rank's part of the reduction ends with one "was used" flag per trainable pa
 every rank knows which parameters got a gradient on some rank: those unused everywhere keep ``grad=None``, as
 with DDP. On gloo with CPU tensors the reduce-scatter is a point-to-point exchange (see [Note: the fast path per
 backend] in ``collectives``); elsewhere it is one ``reduce_scatter`` of a rank-major buffer.
+
+The reduced rows land in the unit's ``sharded_grads`` (the shards' ``.grad`` are views of it): straight there
+when the shards have no gradient yet and nothing needs casting or downloading, otherwise through a receive
+buffer from the pool (see [Note: the buffer pool]) that is given back once the rows are added.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ def start_reduction(unit: ShardUnit, async_op: bool) -> collectives.Pending:
     # parameters got a gradient on some rank: those unused everywhere keep grad None, as with DDP.
     used_here = [g is not None for g in grads]
     used = torch.tensor(used_here, dtype=in_dtype, device=device)
-    chunked = torch.empty(n, unit.grad_sharded_numel + k, dtype=unit.reduce_dtype, device=device)
+    width = unit.grad_sharded_numel + k
+    chunked_block = unit.pool.take(n * width * unit.reduce_dtype.itemsize, device)
+    chunked = chunked_block.view(unit.reduce_dtype).view(n, width)
     pieces = [p.grad_rows(g, in_dtype, device) for p, g in zip(unit.trainable, grads)]
     torch._chunk_cat([*pieces, used.expand(n, k)], dim=0, num_chunks=n, out=chunked)  # casts to reduce dtype
     del grads, pieces  # the unsharded gradients are copied: free them before communicating
@@ -50,13 +56,16 @@ def start_reduction(unit: ShardUnit, async_op: bool) -> collectives.Pending:
     power_of_two = mesh.world_size & (mesh.world_size - 1) == 0
     if not power_of_two or mesh.shard_group is None:
         chunked.div_(mesh.world_size)
-    if mesh.shard_group is not None:
-        reduction = collectives.reduce_scatter_sum(
-            chunked.view(-1), mesh.shard_group, async_op, mesh.world_size if power_of_two else 1
-        )
-    else:
-        reduction = collectives.Pending(None, lambda: chunked.view(-1))
-    return collectives.Pending(None, lambda: _finish(unit, _result(reduction), used_here))
+    if mesh.shard_group is None:  # replicas only: the all-reduce in _finish reduces the whole buffer
+        return collectives.Pending(None, lambda: _finish(unit, chunked.view(-1), used_here, [chunked_block]))
+    landing = _direct_landing(unit)
+    out_block = None if landing is not None else unit.pool.take(width * unit.reduce_dtype.itemsize, device)
+    out = landing if landing is not None else out_block.view(unit.reduce_dtype)  # type: ignore[union-attr]
+    reduction = collectives.reduce_scatter_sum(
+        chunked.view(-1), mesh.shard_group, async_op, mesh.world_size if power_of_two else 1, out=out
+    )
+    blocks = [chunked_block] if out_block is None else [chunked_block, out_block]
+    return collectives.Pending(None, lambda: _finish(unit, _result(reduction), used_here, blocks))
 
 def _start_exchange(unit: ShardUnit, grads: list[Tensor | None]) -> collectives.Pending:
     """The reduce-scatter as a point-to-point exchange (see [Note: the fast path per backend]): every rank
@@ -75,7 +84,14 @@ def _start_exchange(unit: ShardUnit, grads: list[Tensor | None]) -> collectives.
             mats = [m / mesh.world_size for m in mats]
         # What each peer sends for this rank's rows, one row per peer in the reduction's layout; with more
         # than two ranks a row for this rank's own part too, so that the rows are summed in rank order.
-        received = torch.empty(n if n > 2 else 1, total + k, dtype=unit.reduce_dtype, device=unit.device)
+        rows = n if n > 2 else 1
+        landing = _direct_landing(unit)
+        blocks: list[Tensor] = []
+        if rows == 1 and landing is not None:  # received straight into the shards' gradient memory
+            received = landing.view(1, total + k)
+        else:
+            blocks.append(unit.pool.take(rows * (total + k) * unit.reduce_dtype.itemsize, unit.device))
+            received = blocks[-1].view(unit.reduce_dtype).view(rows, total + k)
         for p in unit.trainable:  # zero the padding, which nobody sends, so that only numbers are summed
             if p.local_rows < p.rows_per_rank:
                 received[:, p.grad_offset + p.local_rows * p.row_numel : p.grad_offset + p.padded_shard_numel] = 0
@@ -108,16 +124,24 @@ def _start_exchange(unit: ShardUnit, grads: list[Tensor | None]) -> collectives.
             # Two ranks: add this rank's part into the peer's row (a + b == b + a). More: put it in its own
             # row and sum the rows in rank order, the same order on every rank.
             target = row_of(me)
-            place = Tensor.add_ if n == 2 else Tensor.copy_
+            places, pieces = [target[total:]], [used]
             for p, m in zip(unit.trainable, mats):
                 if p.local_rows:
                     first, count = p.rows_held_by(me)
-                    place(own_piece(target, p), m[first : first + count].view(-1))
-            place(target[total:], used)
-            out = target if n == 2 else received.sum(0)
+                    places.append(own_piece(target, p))
+                    pieces.append(m[first : first + count].view(-1))
+            # One call for every parameter's part.
+            (torch._foreach_add_ if n == 2 else torch._foreach_copy_)(places, pieces)
+            if n == 2:
+                out = target
+            elif landing is not None:
+                out = torch.sum(received, 0, out=landing)
+            else:
+                blocks.append(unit.pool.take((total + k) * unit.reduce_dtype.itemsize, unit.device))
+                out = torch.sum(received, 0, out=blocks[-1].view(unit.reduce_dtype))
             return out.div_(mesh.world_size) if power_of_two else out
 
-    return collectives.Pending(None, lambda: _finish(unit, summed(), used_here))
+    return collectives.Pending(None, lambda: _finish(unit, summed(), used_here, blocks))
 
 def _keep_local_grads(unit: ShardUnit, grads: list[Tensor | None]) -> None:
     """One rank: each gradient becomes its shard's gradient (no copy unless the dtype or device differs);
@@ -131,23 +155,52 @@ def _keep_local_grads(unit: ShardUnit, grads: list[Tensor | None]) -> None:
         else:
             p.sharded.grad.add_(grad)
 
-def _finish(unit: ShardUnit, reduced: Tensor, used_here: list[bool]) -> None:
+def _direct_landing(unit: ShardUnit) -> Tensor | None:
+    """The unit's ``sharded_grads`` when the reduction can land in it as it is: no shard has a gradient (after
+    ``zero_grad()``), no earlier reduction of the unit is still landing there (a unit run in several forwards
+    before one backward reduces once per forward), and the reduce dtype and device are the shards'. ``None``
+    otherwise; the caller then marks it in flight until ``_finish``."""
+    if unit.reduce_dtype != unit.dtype or unit.offloaded or unit.landing_in_flight:
+        return None
+    if any(p.sharded.grad is not None for p in unit.trainable):
+        return None
+    unit.landing_in_flight = True
+    return unit.grad_landing()
+
+
+def _finish(unit: ShardUnit, reduced: Tensor, used_here: list[bool], blocks: list[Tensor]) -> None:
+    """Put this rank's reduced rows (``reduced``: the rows, then the "was used" flags) into the shards' ``.grad``
+    and give the reduction's pool ``blocks`` back."""
     if unit.mesh.replicate_group is not None:
         collectives.all_reduce_sum(reduced, unit.mesh.replicate_group)
     # The summed flags matter only for parameters this rank did not use; when it used them all (the usual
     # case) they are not read, which on a GPU saves a device synchronisation per unit.
-    used_anywhere = used_here if all(used_here) else (reduced[unit.grad_sharded_numel :] > 0).tolist()
-    shard_grads = reduced
-    if unit.reduce_dtype != unit.dtype or unit.offloaded:  # to the shards' dtype and device
-        shard_grads = reduced[: unit.grad_sharded_numel].to(device=unit.shard_device, dtype=unit.dtype)
-    for p, is_used in zip(unit.trainable, used_anywhere):
+    total = unit.grad_sharded_numel
+    used_anywhere = used_here if all(used_here) else (reduced[total:] > 0).tolist()
+    landing = unit.grad_landing()
+    landed = reduced.data_ptr() == landing.data_ptr()
+    if landed:
+        unit.landing_in_flight = False
+    if not landed and all(p.sharded.grad is None for p in unit.trainable):  # one copy (cast, download) for all
+        landing[:total].copy_(reduced[:total])
+        landed = True
+    accumulated: list[Tensor] = []
+    increments: list[Tensor] = []
+    for p, is_used, grad in zip(unit.trainable, used_anywhere, unit.grad_views()):
         if not is_used:
             continue
-        grad = shard_grads[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel].view(p.sharded.shape)
-        if p.sharded.grad is None:
+        rows = slice(p.grad_offset, p.grad_offset + p.local_rows * p.row_numel)
+        if p.sharded.grad is None:  # its rows of the gradient memory are free (see [Note: the buffer pool])
+            if not landed:
+                grad.copy_(reduced[rows].view(p.sharded.shape))
             p.sharded.grad = grad
         else:
-            p.sharded.grad.add_(grad)
+            accumulated.append(p.sharded.grad)
+            increments.append(reduced[rows].view(p.sharded.shape).to(device=unit.shard_device, dtype=unit.dtype))
+    if accumulated:
+        torch._foreach_add_(accumulated, increments)
+    for block in blocks:
+        unit.pool.give(block)
 
 
 def _result(pending: collectives.Pending) -> Tensor:

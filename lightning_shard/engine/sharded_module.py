@@ -50,6 +50,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_shard.engine import collectives
+from lightning_shard.engine.buffer_pool import BufferPool
 from lightning_shard.engine.buffers import BufferSync, materialize_and_sync_buffers
 from lightning_shard.engine.compile import adopt_compiled_wrappers, outside_compiled_code
 from lightning_shard.engine.mesh import ShardMesh
@@ -80,15 +81,18 @@ class ShardedModule:
         self._position: dict[int, int] = {}
         self._pending_reduction: collectives.Pending | None = None
         self.buffer_sync = BufferSync(root, mesh.world_size)  # see [Note: buffers follow DDP]
+        self.pool = BufferPool()  # every unit's step buffers: see [Note: the buffer pool]
         # Parameters built on the meta device by modules without reset_parameters(), not loaded yet: fqn -> where.
         self.uninitialized: dict[str, str] = {}
         self.param_init = ParamInit.RESET_PARAMETERS  # how meta-device parameters were materialised
         for unit in units:
+            unit.pool = self.pool
             unit.on_first_pre_backward = self._queue_end_of_backward
             unit.on_pre_forward = self._before_unit_forward
             unit.on_reshard_after_forward = self._defer_reshard
             unit.on_forward_started = self._prefetch_next_forward
             unit.on_pre_backward = self._prefetch_next_backward
+            unit.on_resharded_in_backward = self._release_idle_block
             unit.on_reduce_started = self._overlap_reduction
         setattr(root, _ENGINE_ATTR, self)
 
@@ -167,6 +171,19 @@ class ShardedModule:
             previous = self._forward_order[i - 1]
             if previous.backward_state is not BackwardState.IDLE:  # it ran with grad: its backward is coming
                 previous.start_unshard()
+
+    def _release_idle_block(self, unit: ShardUnit) -> None:
+        """Give the block ``unit`` just returned to the pool back to the allocator when nothing in this backward
+        will take it but another unit of its size still holds one (see [Note: the buffer pool])."""
+        i = self._position.get(id(unit))
+        if i is None or not unit.materializes:
+            return
+        size = unit.flat_unsharded.numel()
+        same_size = [u for u in self._forward_order[:i] if u.materializes and u.flat_unsharded.numel() == size]
+        if any(u.is_sharded and u.backward_state is not BackwardState.IDLE for u in same_size):
+            return  # a unit still to gather in this backward takes it
+        if any(not u.is_sharded for u in same_size):
+            self.pool.release_free(size, unit.device)
 
     def _overlap_reduction(self, pending: collectives.Pending | None) -> None:
         self._finish_reduction()

@@ -6,8 +6,12 @@ A unit owns two flat buffers:
   padded, concatenated. The sharded ``nn.Parameter`` faces are views of it (the fp32 master
   weights under mixed precision).
 - ``flat_unsharded: Tensor  # 1D (shard_size * B,), uint8``: every parameter in full, param-major,
-  padded, each in its compute dtype (``B`` bytes per rank). Its storage is freed (resized to 0)
-  while the unit is sharded and refilled by ``unshard()``.
+  padded, each in its compute dtype (``B`` bytes per rank). Its storage is empty while the unit is
+  sharded: ``unshard()`` fills it with a block of the engine's ``BufferPool`` and ``reshard()``
+  gives the block back (see [Note: the buffer pool]).
+- ``sharded_grads: Tensor  # 1D (G + k,), parameter dtype, on the shard device``: the memory of the
+  shards' ``.grad`` (views of it), allocated at the first reduction and kept, so that a gradient
+  reduction after ``zero_grad()`` lands in memory the process already has.
 
 When nothing needs gathering or casting (one-rank shard group, compute dtype = parameter dtype,
 as under ``NO_SHARD`` in fp32) the unsharded buffer is a byte view of the sharded one.
@@ -48,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.autograd_nodes import ReachedByBackward, RegisterPostBackward
+from lightning_shard.engine.buffer_pool import BufferPool
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.reduction import start_reduction
@@ -85,8 +90,10 @@ class ShardUnit:
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None = None,
         shard_device: torch.device | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
         self.name = name
+        self.pool = pool or BufferPool()  # the engine's, shared by its units: see [Note: the buffer pool]
         self.device = device  # where the unit computes and communicates
         self.shard_device = shard_device or device  # where its shards live: see [Note: CPU offload]
         self.module = module
@@ -118,8 +125,22 @@ class ShardUnit:
                 p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         # Each parameter's full bytes in the unsharded buffer (views stay valid while its storage is freed).
         self._regions = [p.unsharded_region(self.flat_unsharded) for p in self.params]
+        # The point-to-point gather's pieces (params with bytes to gather): where they land, and what this rank
+        # sends when that is the sharded buffer itself (views stay valid: the buffers keep their storages).
+        self._gathered = [p for p in self.params if p.padded_gather_bytes > 0]
+        sharded_bytes = self.flat_sharded.view(torch.uint8)
+        self._gather_pieces = (
+            [r for r, p in zip(self._regions, self.params) if p.padded_gather_bytes > 0],
+            [sharded_bytes[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for p in self._gathered],
+        )
+        if self.materializes:  # empty until unshard() fills it from the pool
+            self.flat_unsharded.untyped_storage().resize_(0)
         self.state = UnitState.UNSHARDED
         self._pending_gather: collectives.Pending | None = None
+        self._gather_blocks: list[Tensor] = []  # pool blocks the gather in flight uses, given back when it lands
+        self.sharded_grads: Tensor | None = None  # see the module docstring
+        self._grad_views: list[Tensor] = []  # views of sharded_grads, one per trainable parameter
+        self.landing_in_flight = False  # a reduction is receiving straight into sharded_grads
         self._restore_version: AbstractContextManager = nullcontext()
         self.backward_state = BackwardState.IDLE
         self.hold_grads = False  # set by the engine while gradients accumulate unreduced (grad_sync="step")
@@ -129,6 +150,7 @@ class ShardUnit:
         self.on_pre_forward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         self.on_forward_started: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         self.on_pre_backward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
+        self.on_resharded_in_backward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         # The engine overlaps reductions with the rest of backward; alone, a unit finishes its own at once.
         self.on_reduce_started: Callable[[collectives.Pending | None], None] = _wait_now
         self.on_reshard_after_forward: Callable[[ShardUnit], None] = ShardUnit.reshard  # the engine may defer it
@@ -194,7 +216,7 @@ class ShardUnit:
             self._pending_gather = None
             return
         with record_function(f"lightning_shard::unshard({self.name})"):
-            self.flat_unsharded.untyped_storage().resize_(self.flat_unsharded.numel())
+            self.pool.fill(self.flat_unsharded.untyped_storage(), self.flat_unsharded.numel())
             # The version to restore once the gather has landed (a backend thread may write, and so bump the
             # version counter, any time before wait() returns): see [Note: unit states and autograd].
             self._restore_version = torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded)
@@ -204,17 +226,17 @@ class ShardUnit:
                 self._pending_gather = None
                 return
             send = self._all_gather_input()
+            if self.casts or self.offloaded:  # staged in a pool block
+                self._gather_blocks.append(send)
             if collectives.exchanges_point_to_point(self.mesh.shard_backend, self.device):
-                pieces = [(r, p) for r, p in zip(self._regions, self.params) if p.padded_gather_bytes > 0]
+                outputs, pieces = self._gather_pieces
+                if self.casts or self.offloaded:  # staged in a new block: slice it
+                    pieces = [send[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for p in self._gathered]
                 with torch.no_grad():
-                    self._pending_gather = collectives.all_gather_pieces(
-                        [r for r, _ in pieces],
-                        [send[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for _, p in pieces],
-                        group,
-                        async_op,
-                    )
+                    self._pending_gather = collectives.all_gather_pieces(outputs, pieces, group, async_op)
             else:
-                gathered = torch.empty(self.mesh.shard_size * self.gather_bytes, dtype=torch.uint8, device=send.device)
+                gathered = self.pool.take(self.mesh.shard_size * self.gather_bytes, send.device)
+                self._gather_blocks.append(gathered)
                 self._pending_gather = collectives.all_gather_flat(gathered, send, group, async_op)
 
     def _finish_unshard(self) -> None:
@@ -231,6 +253,9 @@ class ShardUnit:
                     dim=1,
                     out=[r.view(n, -1) for r in self._regions],
                 )
+        for block in self._gather_blocks:  # the gather has landed: its staging is free again
+            self.pool.give(block)
+        self._gather_blocks.clear()
         self.state = UnitState.UNSHARDED
         for p in self.params:
             p.expose_unsharded()
@@ -240,7 +265,7 @@ class ShardUnit:
         compute dtypes, uploaded from CPU memory under offload) in ``into`` or a new buffer."""
         if not self.casts and not self.offloaded:
             return self.flat_sharded.view(torch.uint8)
-        send = into if into is not None else torch.empty(self.gather_bytes, dtype=torch.uint8, device=self.device)
+        send = into if into is not None else self.pool.take(self.gather_bytes, self.device)
         if not self.casts:
             send.copy_(self.flat_sharded.view(torch.uint8), non_blocking=True)
             return send
@@ -260,7 +285,7 @@ class ShardUnit:
         for p in self.params:
             p.expose_sharded()
         if self.materializes:
-            self.flat_unsharded.untyped_storage().resize_(0)
+            self.pool.drain(self.flat_unsharded.untyped_storage())
         self.state = UnitState.SHARDED
 
     def start_reduce_grads(self) -> collectives.Pending | None:
@@ -271,6 +296,23 @@ class ShardUnit:
             return None
         with record_function(f"lightning_shard::reduce_grads({self.name})"):
             return start_reduction(self, async_op=self.mesh.replicate_group is None)
+
+    def grad_landing(self) -> Tensor:
+        """``sharded_grads``: where this rank's reduced rows go (the shards' ``.grad`` are views of it), allocated
+        from the pool at the first reduction and kept from then on."""
+        if self.sharded_grads is None:
+            numel = self.grad_sharded_numel + len(self.trainable)  # the rows, then room for the "was used" flags
+            self.sharded_grads = self.pool.take(numel * self.dtype.itemsize, self.shard_device).view(self.dtype)
+            self._grad_views = [
+                self.sharded_grads[p.grad_offset : p.grad_offset + p.local_rows * p.row_numel].view(p.sharded.shape)
+                for p in self.trainable
+            ]
+        return self.sharded_grads
+
+    def grad_views(self) -> list[Tensor]:
+        """Each trainable shard's ``.grad`` as a view of ``sharded_grads`` (made once)."""
+        self.grad_landing()
+        return self._grad_views
 
     def _on_grad_accumulated(self, _param: Tensor) -> None:
         self.expect_backward()
@@ -322,6 +364,7 @@ class ShardUnit:
         if self.backward_state is BackwardState.IDLE:
             return
         self.reshard()  # the weights are not needed to reduce: free them first, lowering the peak
+        self.on_resharded_in_backward(self)
         if self.hold_grads:
             self.backward_state = BackwardState.HELD
             return
