@@ -78,7 +78,9 @@ class ShardOptions:
             wrap_policy=resolve_wrap_policy(auto_wrap_policy),
             device_mesh=_check_mesh_fits_strategy(_parse_device_mesh(device_mesh), strategy),
             mixed_precision=mixed_precision,
-            checkpointing_policy=resolve_wrap_policy(activation_checkpointing_policy),
+            checkpointing_policy=resolve_wrap_policy(
+                activation_checkpointing_policy, "activation_checkpointing_policy"
+            ),
             grad_sync=GradSync.parse(grad_sync),
             state_dict_type=StateDictType.parse(state_dict_type),
             cpu_offload=cpu_offload,
