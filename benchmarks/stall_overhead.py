@@ -110,6 +110,13 @@ def main() -> None:
     on = statistics.median(t for r in results for t in r["on"]) * 1e3
     off = statistics.median(t for r in results for t in r["off"]) * 1e3
     print(f"median step: on {on:.2f} ms, off {off:.2f} ms, on/off {on / off:.3f}")
+    # The spread: each "on" round's median against the "off" round right after it (rank 0).
+    starts = range(0, ROUNDS * STEPS_PER_ROUND, STEPS_PER_ROUND)
+    on_rounds = [statistics.median(results[0]["on"][i : i + STEPS_PER_ROUND]) for i in starts]
+    off_rounds = [statistics.median(results[0]["off"][i : i + STEPS_PER_ROUND]) for i in starts]
+    pairs = [a / b for a, b in zip(on_rounds, off_rounds)]
+    print(f"per-round on/off ratios (rank 0): min {min(pairs):.3f}, median {statistics.median(pairs):.3f},"
+          f" max {max(pairs):.3f}")
 
 
 if __name__ == "__main__":
