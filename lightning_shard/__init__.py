@@ -23,6 +23,7 @@ from lightning_shard.engine.policies import (
     ShardingStrategy,
     SizeWrapPolicy,
 )
+from lightning_shard.engine.stall import StalledRanksError
 from lightning_shard.fabric import ShardStrategy as _FabricShardStrategy
 from lightning_shard.inference import load_from_checkpoint
 from lightning_shard.monitor import ShardMonitor
@@ -53,6 +54,7 @@ __all__ = [
     "ShardedGradScaler",
     "ShardingStrategy",
     "SizeWrapPolicy",
+    "StalledRanksError",
     "__version__",
     "consolidate",
     "estimate_memory",

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.engine.progress import RECORD
+from lightning_shard.engine.stall import watching
 
 T = TypeVar("T")
 
@@ -43,7 +45,8 @@ def broadcast_str(value: str) -> str:
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    with watching(RECORD.enter("checkpoint path broadcast")):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -53,5 +56,6 @@ def gather_records(records: Any, group: Any = None) -> list[Any]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [records]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, records, group=group)
+    with watching(RECORD.enter("checkpoint agreement")):
+        dist.all_gather_object(out, records, group=group)
     return out

@@ -1,4 +1,6 @@
-"""Process-group set-up and the small collectives both front ends' strategies expose (barrier, broadcast)."""
+"""Process-group set-up and the small collectives both front ends' strategies expose (barrier, broadcast,
+all-reduce). Each is counted and watched like the engine's own (see [Note: progress records]): past the timeout it
+raises ``StalledRanksError`` naming the ranks that did not arrive."""
 
 from __future__ import annotations
 
@@ -9,30 +11,41 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.types import ReduceOp
+from torch import Tensor
 
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.mesh import ShardMesh, build_shard_mesh, mesh_shape
 from lightning_shard.engine.policies import ShardingStrategy
+from lightning_shard.engine.progress import RECORD, start_publishing
+from lightning_shard.engine.stall import bound_waits, rendezvous_timeout, watching
 
 T = TypeVar("T")
 
 
 def init_process_group(
-    cluster_environment: ClusterEnvironment, backend: str, timeout: timedelta | None, device: torch.device
+    cluster_environment: ClusterEnvironment, backend: str, timeout: timedelta, device: torch.device
 ) -> bool:
     """Initialise the default process group unless one exists; return whether this call created it.
 
-    A group created here outlives the strategy (as with Lightning's own strategies), so that the model can still
-    run forward after training (sampling); it is destroyed when the program ends.
+    In a group created here every collective waits at most ``timeout`` (see [Note: how a wait ends] in
+    ``lightning_shard.engine.stall``); a group that existed keeps its own timeout. A group created here outlives
+    the strategy (as with Lightning's own strategies), so that the model can still run forward after training
+    (sampling); it is destroyed when the program ends.
     """
     owns = not _distributed_is_initialized()
-    kwargs: dict[str, Any] = {"timeout": timeout}
+    kwargs: dict[str, Any] = {"timeout": rendezvous_timeout(timeout)}
     if device.type != "cpu":
         kwargs["device_id"] = device
     _init_dist_connection(cluster_environment, backend, **kwargs)
     if owns:
+        bound_waits(timeout)
         atexit.unregister(_destroy_process_group_at_exit)
         atexit.register(_destroy_process_group_at_exit)
     return owns
@@ -47,10 +60,11 @@ def barrier(device: torch.device) -> None:
     """Wait for every rank (a no-op without a process group)."""
     if not _distributed_is_initialized():
         return
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
+    with watching(RECORD.enter("barrier")):
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:
@@ -58,8 +72,18 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     if not _distributed_is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src, group=_group.WORLD)
+    with watching(RECORD.enter(f"broadcast from rank {src}")):
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
     return box[0]
+
+
+def reduce_tensor(tensor: Tensor, group: Any | None, reduce_op: ReduceOp | str | None) -> Tensor:
+    """``tensor`` reduced over ``group`` (all ranks when ``None``) with ``reduce_op`` ("mean", "sum", ...), as the
+    strategies' ``reduce``/``all_reduce`` (logged metrics, the loops' decisions); unchanged without a process group."""
+    if not _distributed_is_initialized():
+        return tensor
+    with watching(RECORD.enter("all-reduce of a logged value or loop decision")):
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
 def start_mesh(
@@ -79,5 +103,12 @@ def start_mesh(
     if options.sharding_strategy is ShardingStrategy.HYBRID_SHARD and device_mesh is None:
         device_mesh = (num_nodes, num_processes)
     mesh_shape(options.sharding_strategy, num_nodes * num_processes, device_mesh)
-    init_process_group(cluster_environment, backend, options.timeout, device)
-    return build_shard_mesh(options.sharding_strategy, device_mesh, backend)
+    owns = init_process_group(cluster_environment, backend, options.timeout, device)
+    start_publishing(
+        dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), options.timeout
+    )
+    mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend)
+    if owns:
+        for group in mesh.owned_groups:
+            bound_waits(options.timeout, group)
+    return mesh

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+import torch.distributed as dist
+
 from lightning_shard.checkpoint.save import StateDictType
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import (
@@ -23,6 +25,9 @@ from lightning_shard.engine.policies import (
     WrapPolicySpec,
     resolve_wrap_policy,
 )
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)  # long enough for a slow checkpoint write between two collectives, short
+# enough that a stalled rank is named within minutes rather than after torch's 30 (gloo) or a silent hang
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,8 @@ class ShardOptions:
     cpu_offload: bool
     broadcast_buffers: bool
     param_init: ParamInit
-    timeout: timedelta | None
+    timeout: timedelta  # how long any rank waits in one collective before StalledRanksError
+    process_group_backend: str | None
 
     @classmethod
     def parse(
@@ -56,6 +62,7 @@ class ShardOptions:
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
         timeout: timedelta | None = None,
+        process_group_backend: str | None = None,
     ) -> ShardOptions:
         """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values."""
         if not isinstance(cpu_offload, bool):
@@ -68,20 +75,22 @@ class ShardOptions:
                 f" {type(mixed_precision).__name__}. For the usual cases pass a precision string instead"
                 " (precision='bf16-mixed' on the Trainer or Fabric)."
             )
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(f"timeout must be a datetime.timedelta (or None), got {timeout!r}.")
+        strategy = ShardingStrategy.parse(sharding_strategy)
         return cls(
-            sharding_strategy=ShardingStrategy.parse(sharding_strategy),
+            sharding_strategy=strategy,
             wrap_policy=resolve_wrap_policy(auto_wrap_policy),
-            device_mesh=_parse_device_mesh(device_mesh),
+            device_mesh=_check_mesh_fits_strategy(_parse_device_mesh(device_mesh), strategy),
             mixed_precision=mixed_precision,
-            checkpointing_policy=resolve_wrap_policy(activation_checkpointing_policy),
+            checkpointing_policy=resolve_wrap_policy(
+                activation_checkpointing_policy, "activation_checkpointing_policy"
+            ),
             grad_sync=GradSync.parse(grad_sync),
             state_dict_type=StateDictType.parse(state_dict_type),
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
             param_init=ParamInit.parse(param_init),
-            timeout=timeout,
+            timeout=_parse_timeout(timeout),
+            process_group_backend=_parse_backend(process_group_backend),
         )
 
 
@@ -97,6 +106,66 @@ def _parse_device_mesh(device_mesh: object) -> tuple[int, int] | None:
     ):
         return int(device_mesh[0]), int(device_mesh[1])
     raise ValueError(f"device_mesh must be a pair of positive ints (replicas, shard_size), got {device_mesh!r}.")
+
+
+def _check_mesh_fits_strategy(
+    device_mesh: tuple[int, int] | None, strategy: ShardingStrategy
+) -> tuple[int, int] | None:
+    """A ``device_mesh`` must describe what ``strategy`` does: only HYBRID_SHARD both shards and replicates (whether
+    it covers the world is checked at set-up, once the world size is known)."""
+    if device_mesh is None:
+        return None
+    replicas, shard_size = device_mesh
+    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and replicas != 1:
+        raise ValueError(
+            f"device_mesh={device_mesh} replicates across {replicas} groups, which only HYBRID_SHARD does;"
+            f" use sharding_strategy='HYBRID_SHARD' or drop device_mesh."
+        )
+    if strategy is ShardingStrategy.NO_SHARD and shard_size != 1:
+        raise ValueError(
+            f"device_mesh={device_mesh} shards over {shard_size} ranks, but sharding_strategy='NO_SHARD' replicates"
+            f" every parameter on every rank; use sharding_strategy='HYBRID_SHARD' or drop device_mesh."
+        )
+    return device_mesh
+
+
+def _parse_timeout(timeout: object) -> timedelta:
+    """A positive ``timedelta``; ``None`` is ``DEFAULT_TIMEOUT``."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"timeout must be a datetime.timedelta such as timedelta(minutes=10) (or None for the default of"
+            f" {DEFAULT_TIMEOUT}), got {timeout!r}."
+        )
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}.")
+    return timeout
+
+
+def _parse_backend(backend: object) -> str | None:
+    """``None`` (gloo on CPU, NCCL on CUDA), a backend name torch knows, or a per-device map such as
+    ``"cpu:gloo,cuda:nccl"``."""
+    if backend is None:
+        return None
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    if isinstance(backend, str):
+        names = [part.split(":", 1)[-1] for part in backend.split(",")] if ":" in backend else [backend]
+        if names and all(name.strip().lower() in known for name in names):
+            return backend
+    raise ValueError(
+        f"process_group_backend must be one of {', '.join(repr(b) for b in known)}, a per-device map such as"
+        f" 'cpu:gloo,cuda:nccl', or None (gloo on CPU, NCCL on GPUs); got {backend!r}."
+    )
+
+
+def check_backend_for_device(backend: str, device_type: str) -> None:
+    """Refuse, before the process group exists, a backend that cannot run on the strategy's devices."""
+    if device_type == "cpu" and backend.strip().lower() == "nccl":
+        raise ValueError(
+            "process_group_backend='nccl' needs CUDA devices, but this ShardStrategy runs on the CPU. Use"
+            " process_group_backend='gloo' (or None), or accelerator='gpu'."
+        )
 
 
 class ShardOptionsMixin:

@@ -12,7 +12,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_shard.common.distributed import barrier, broadcast_object, start_mesh
-from lightning_shard.common.options import ShardOptionsMixin
+from lightning_shard.common.options import ShardOptionsMixin, check_backend_for_device
 from lightning_shard.engine.mesh import ShardMesh
 
 T = TypeVar("T")
@@ -73,6 +73,7 @@ class ShardStrategyMixin(ShardOptionsMixin):
         """Initialise the process group (unless one exists) and build the mesh; see ``start_mesh``."""
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
+        check_backend_for_device(backend, self.root_device.type)
         assert self.cluster_environment is not None
         self._mesh = start_mesh(
             self.options, self.cluster_environment, self.num_nodes, self.num_processes, self.root_device, backend

@@ -29,6 +29,9 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
+from lightning_shard.engine.progress import RECORD, Activity, about
+from lightning_shard.engine.stall import wait_timeout, watching
+
 
 @dataclass
 class CollectiveStats:
@@ -50,10 +53,12 @@ STATS = CollectiveStats()
 
 class Pending:
     """A collective that has been issued and may still be running; ``wait()`` returns its result (computed once:
-    later calls return the same)."""
+    later calls return the same). ``activity``: the collective as this rank counted it when issuing it; a wait
+    past the timeout raises ``StalledRanksError`` naming it (see [Note: how a wait ends])."""
 
-    def __init__(self, work: Any, finish: Callable[[], Tensor | None]) -> None:
+    def __init__(self, work: Any, finish: Callable[[], Tensor | None], activity: Activity | None = None) -> None:
         self._work: Any = work
+        self._activity = activity
         self._finish: Callable[[], Tensor | None] | None = finish
         self._done = False
         self._result: Tensor | None = None
@@ -63,12 +68,13 @@ class Pending:
             return self._result
         if self._work is not None:
             start = time.perf_counter()
-            with record_function("lightning_shard::wait"):
+            with record_function("lightning_shard::wait"), watching(self._activity):
                 self._work.wait()
             STATS.seconds += time.perf_counter() - start
             self._work = None
         assert self._finish is not None
-        self._done, self._result = True, self._finish()
+        with about(self._activity.unit if self._activity is not None else RECORD.unit):  # its follow-up collectives
+            self._done, self._result = True, self._finish()
         self._finish = None  # drop what the result was computed from (buffers held by the closure)
         return self._result
 
@@ -76,11 +82,12 @@ class Pending:
 def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, async_op: bool = False) -> Pending:
     """Fill ``output`` (1D, ``group size * shard.numel()``) with every rank's ``shard``, rank-major."""
     start = time.perf_counter()
-    with record_function("lightning_shard::all_gather"):
+    activity = RECORD.enter("all-gather")
+    with record_function("lightning_shard::all_gather"), watching(activity):
         work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
     STATS.seconds += time.perf_counter() - start
     STATS.all_gather_bytes += output.numel() * output.element_size()
-    return Pending(work, lambda: output)
+    return Pending(work, lambda: output, activity)
 
 
 def exchanges_point_to_point(backend: str | None, device: torch.device) -> bool:
@@ -90,14 +97,18 @@ def exchanges_point_to_point(backend: str | None, device: torch.device) -> bool:
     return device.type == "cpu" and backend is not None and "gloo" in backend
 
 
-def exchange(outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup) -> Pending:
+def exchange(
+    outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: ProcessGroup, op: str = "exchange"
+) -> Pending:
     """Send ``outgoing[q]`` to group rank ``q`` and receive ``incoming[q]`` from it, tensor by tensor, for every
-    other rank ``q`` (this rank's own entries are ignored). Asynchronous; ``wait()`` returns ``None``.
+    other rank ``q`` (this rank's own entries are ignored). Asynchronous; ``wait()`` returns ``None``. ``op``
+    names the collective this exchange is, in a ``StalledRanksError``.
 
     Both sides must list matching tensor sizes in the same order (see ``_EXCHANGE_TAG``).
     """
     start = time.perf_counter()
     rank, size = group.rank(), group.size()
+    activity = RECORD.enter(op)
     works: list[Any] = []
     for peer in [(rank + i) % size for i in range(1, size)]:  # no rank is everybody's first peer
         for tensor in incoming[peer]:
@@ -105,7 +116,7 @@ def exchange(outgoing: list[list[Tensor]], incoming: list[list[Tensor]], group: 
         for tensor in outgoing[peer]:
             works.append(group.send([tensor], peer, _EXCHANGE_TAG))
     STATS.seconds += time.perf_counter() - start
-    return Pending(_AllWorks(works), lambda: None)
+    return Pending(_AllWorks(works), lambda: None, activity)
 
 
 # Point-to-point messages between two ranks are matched in the order they are posted. Every rank issues the
@@ -119,8 +130,12 @@ class _AllWorks:
         self.works = works
 
     def wait(self) -> None:
+        timeout = wait_timeout()  # see [Note: how a wait ends]
         for work in self.works:
-            work.wait()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
 
 
 def all_gather_pieces(
@@ -132,7 +147,7 @@ def all_gather_pieces(
     rank, size = group.rank(), group.size()
     slots = [output.view(size, -1) for output in outputs]
     with record_function("lightning_shard::all_gather"):
-        pending = exchange([inputs] * size, [[slot[q] for slot in slots] for q in range(size)], group)
+        pending = exchange([inputs] * size, [[slot[q] for slot in slots] for q in range(size)], group, "all-gather")
         torch._foreach_copy_([slot[rank] for slot in slots], inputs)  # this rank's pieces, in one call
     STATS.all_gather_bytes += sum(o.numel() * o.element_size() for o in outputs)
     if not async_op:
@@ -147,7 +162,7 @@ def reduce_scatter_exchange(
     size of the equivalent reduce-scatter's input, for ``STATS``."""
     STATS.reduce_bytes += nbytes
     with record_function("lightning_shard::reduce_scatter"):
-        return exchange(outgoing, incoming, group)
+        return exchange(outgoing, incoming, group, "reduce-scatter")
 
 
 def reduce_scatter_sum(
@@ -158,19 +173,20 @@ def reduce_scatter_sum(
     group_size = group.size()
     start = time.perf_counter()
     STATS.reduce_bytes += full.numel() * full.element_size()
-    with record_function("lightning_shard::reduce_scatter"):
+    activity = RECORD.enter("reduce-scatter")
+    with record_function("lightning_shard::reduce_scatter"), watching(activity):
         if out is None:
             out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
         work = dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
     STATS.seconds += time.perf_counter() - start
     result = out
-    return Pending(work, lambda: result.div_(divide_by) if divide_by != 1 else result)
+    return Pending(work, lambda: result.div_(divide_by) if divide_by != 1 else result, activity)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:
     """Sum ``tensor`` in place over the group."""
     start = time.perf_counter()
-    with record_function("lightning_shard::all_reduce"):
+    with record_function("lightning_shard::all_reduce"), watching(RECORD.enter("all-reduce")):
         dist.all_reduce(tensor, group=group)
     STATS.seconds += time.perf_counter() - start
     STATS.reduce_bytes += tensor.numel() * tensor.element_size()
@@ -178,10 +194,11 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:
 
 def all_reduce_max(tensor: Tensor, group: ProcessGroup | None) -> None:
     """Take the elementwise maximum of ``tensor`` in place over the group (``None``: all ranks)."""
-    with record_function("lightning_shard::all_reduce"):
+    with record_function("lightning_shard::all_reduce"), watching(RECORD.enter("all-reduce (max)")):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
 def broadcast_from_rank0(tensor: Tensor) -> None:
     """Overwrite ``tensor`` on every rank with global rank 0's values."""
-    dist.broadcast(tensor, src=0)
+    with watching(RECORD.enter("broadcast from rank 0")):
+        dist.broadcast(tensor, src=0)

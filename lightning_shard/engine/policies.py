@@ -159,13 +159,16 @@ WrapPolicySpec = (
 )
 
 
-def resolve_wrap_policy(spec: WrapPolicySpec) -> WrapPolicy | None:
-    """Turn what a user passed as ``auto_wrap_policy`` into a policy object (``None``: the root is the only unit)."""
+def resolve_wrap_policy(spec: WrapPolicySpec, argument: str = "auto_wrap_policy") -> WrapPolicy | None:
+    """Turn what a user passed as ``auto_wrap_policy`` (or ``argument``, e.g. ``activation_checkpointing_policy``)
+    into a policy object (``None``: the root is the only unit); a bad value raises naming ``argument``."""
     if spec is None or isinstance(spec, (ModuleClassWrapPolicy, CallableWrapPolicy, SizeWrapPolicy)):
         return spec
     if isinstance(spec, bool):
-        raise TypeError("auto_wrap_policy must be module classes, class names, a callable or an int, not a bool.")
+        raise TypeError(f"{argument} must be module classes, class names, a callable or an int, not a bool.")
     if isinstance(spec, int):
+        if spec < 1:
+            raise ValueError(f"{argument} as a parameter count must be >= 1, got {spec}.")
         return SizeWrapPolicy(spec)
     if isinstance(spec, (str, type)):
         return ModuleClassWrapPolicy(frozenset([spec]))
@@ -175,10 +178,10 @@ def resolve_wrap_policy(spec: WrapPolicySpec) -> WrapPolicy | None:
         items = list(spec)
         bad = [x for x in items if not (isinstance(x, str) or (isinstance(x, type) and issubclass(x, nn.Module)))]
         if bad:
-            raise TypeError(f"auto_wrap_policy entries must be nn.Module classes or class names, got {bad!r}.")
+            raise TypeError(f"{argument} entries must be nn.Module classes or class names, got {bad!r}.")
         return ModuleClassWrapPolicy(frozenset(items))  # type: ignore[arg-type]  # checked just above
     raise TypeError(
-        f"auto_wrap_policy must be a set of module classes or class names, a callable (module, name) -> bool,"
+        f"{argument} must be a set of module classes or class names, a callable (module, name) -> bool,"
         f" or an int minimum parameter count; got {type(spec).__name__}."
     )
 

@@ -55,6 +55,7 @@ from lightning_shard.engine.autograd_nodes import ReachedByBackward, RegisterPos
 from lightning_shard.engine.buffer_pool import BufferPool
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.engine.progress import about_unit
 from lightning_shard.engine.reduction import start_reduction
 
 
@@ -207,6 +208,7 @@ class ShardUnit:
             self.start_unshard(async_op=False)
         self._finish_unshard()
 
+    @about_unit  # a stalled gather names this unit
     def start_unshard(self, async_op: bool = True) -> None:
         """Issue the all-gather (asynchronously: a prefetch); ``unshard()`` waits for it and copies it out."""
         if self.state is not UnitState.SHARDED:
@@ -288,6 +290,7 @@ class ShardUnit:
             self.pool.drain(self.flat_unsharded.untyped_storage())
         self.state = UnitState.SHARDED
 
+    @about_unit  # a stalled reduction names this unit
     def start_reduce_grads(self) -> collectives.Pending | None:
         """Issue the gradient reduction (averaging over all data-parallel ranks); ``wait()`` on the result puts this
         rank's rows into the shards' grads."""

@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from torch import Tensor, nn
@@ -34,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint.background import BackgroundSaver
+from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.precision import translate_precision
 from lightning_shard.common.preemption import PreemptionWatcher, preemption_signals
@@ -82,7 +81,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         auto_wrap_policy: WrapPolicySpec = None,
         sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
         device_mesh: tuple[int, int] | None = None,
@@ -114,6 +113,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             broadcast_buffers=broadcast_buffers,
             param_init=param_init,
             timeout=timeout,
+            process_group_backend=process_group_backend,
         )
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")
@@ -276,7 +276,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return reduce_tensor(tensor, group, reduce_op)
         return tensor
 
     # Checkpoints: directories of safetensors and JSON (see [Note: Fabric state in a checkpoint directory]) #

@@ -12,11 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
@@ -30,6 +26,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint.background import BackgroundSaver
 from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
+from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
@@ -46,6 +43,7 @@ from lightning_shard.engine.policies import (
     ShardingStrategyName,
     WrapPolicySpec,
 )
+from lightning_shard.engine.progress import note_step
 from lightning_shard.engine.sharded_module import ShardedModule
 from lightning_shard.trainer.checkpoints import (
     load_model_state,
@@ -101,7 +99,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             unit is materialised in full, so the import holds only this rank's shards); a forward before every
             such parameter is loaded raises naming the missing ones.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
-        timeout: timeout of the process group's collectives.
+        timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
+            naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.
     """
 
     strategy_name = "shard"
@@ -115,7 +114,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         auto_wrap_policy: WrapPolicySpec = None,
         sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
         device_mesh: tuple[int, int] | None = None,
@@ -148,6 +147,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             broadcast_buffers=broadcast_buffers,
             param_init=param_init,
             timeout=timeout,
+            process_group_backend=process_group_backend,
         )
         self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]
         self._mesh: ShardMesh | None = None
@@ -256,6 +256,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lightning_module is not None:  # name the step in a StalledRanksError
+            note_step(self.lightning_module.trainer.global_step)
         with self.precision_plugin.train_step_context():
             return self._run_step("training_step", args, kwargs)
 
@@ -317,7 +319,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     ) -> Tensor | Any:
         """Reduce ``tensor`` over all ranks (mean by default); non-tensors are returned unchanged."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return reduce_tensor(tensor, group, reduce_op)
         return tensor
 
     # Checkpoints: directories of safetensors and JSON (see docs/checkpoint_format.md) #
