@@ -138,3 +138,30 @@ def test_only_backend_timeouts_become_stall_errors() -> None:
     assert is_timeout(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 30000ms for recv"))
     assert not is_timeout(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
     assert not is_timeout(ValueError("timed out"))
+
+
+def test_stopping_publication_waits_for_the_thread_to_leave_the_store() -> None:
+    # A daemon thread still inside a store call when the interpreter finalises aborts the process ("terminate called
+    # without an active exception"), so stopping must wait for it: before the group is destroyed and at exit.
+    import threading
+    import time
+
+    from lightning_shard.engine import progress
+
+    class SlowStore:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def set(self, key: str, value: str) -> None:
+            self.calls += 1
+            time.sleep(0.3)
+
+    store = SlowStore()
+    progress.start_publishing(store, 0, 2, None)
+    progress.RECORD.enter("all-gather")  # something new to publish
+    deadline = time.monotonic() + 5
+    while store.calls < 2 and time.monotonic() < deadline:  # the thread is now inside set()
+        time.sleep(0.01)
+    progress.stop_publishing()
+    running = [t for t in threading.enumerate() if t.name == "lightning_shard-progress"]
+    assert store.calls >= 2 and not running, (store.calls, running)

@@ -23,7 +23,7 @@ from torch import Tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.mesh import ShardMesh, build_shard_mesh, mesh_shape
 from lightning_shard.engine.policies import ShardingStrategy
-from lightning_shard.engine.progress import RECORD, start_publishing
+from lightning_shard.engine.progress import RECORD, start_publishing, stop_publishing
 from lightning_shard.engine.stall import bound_waits, rendezvous_timeout, watching
 
 T = TypeVar("T")
@@ -52,6 +52,7 @@ def init_process_group(
 
 
 def _destroy_process_group_at_exit() -> None:
+    stop_publishing()  # its thread must not be inside the group's store while the group goes
     if _distributed_is_initialized():
         dist.destroy_process_group()
 

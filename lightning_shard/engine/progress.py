@@ -17,6 +17,7 @@ lag one collective behind a rank that stopped just after entering the next one.
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -145,7 +146,12 @@ class ProgressPublisher:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop publishing and wait (briefly) for the thread to leave the store. A daemon thread still inside a
+        store call when the interpreter finalises aborts the process ("terminate called without an active
+        exception"), so this runs before the process group is destroyed and at exit."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=STOP_WAIT_S)
 
     def _run(self) -> None:
         while not self._stop.wait(PUBLISH_INTERVAL_S):
@@ -191,6 +197,12 @@ def read_peer_records(store: Any, world_size: int, within_s: float) -> tuple[dic
 
 
 _PUBLISHER: ProgressPublisher | None = None
+STOP_WAIT_S = 5.0  # at most this long for a store call in flight when publishing stops
+
+
+@atexit.register
+def _stop_publishing_at_exit() -> None:
+    stop_publishing()
 
 
 def start_publishing(store: Any, rank: int, world_size: int, timeout: timedelta | None) -> None:
