@@ -58,6 +58,16 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class Tokens(torch.utils.data.Dataset):
+    """Random token windows of CTX + 1 (inputs and next-token targets), the same for every engine and run."""
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randint(0, VOCAB, (CTX + 1,), generator=torch.Generator().manual_seed(i))
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

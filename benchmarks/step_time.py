@@ -42,10 +42,10 @@ def run_engine(engine: str, out_dir: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import DataLoader
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from peak_memory import BATCH, CTX, GPT, VOCAB, Block
+    from peak_memory import BATCH, GPT, Block, Tokens
 
     from lightning_shard import ShardStrategy
     from lightning_shard.engine import collectives
@@ -54,13 +54,6 @@ def run_engine(engine: str, out_dir: str) -> None:
     baseline = _rss_mb()
     counted = {"bytes": 0}
     _count_collectives(dist, counted)
-
-    class Tokens(Dataset):
-        def __len__(self) -> int:
-            return 10_000
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            return torch.randint(0, VOCAB, (CTX + 1,), generator=torch.Generator().manual_seed(i))
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
