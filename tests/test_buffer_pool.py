@@ -139,3 +139,45 @@ def test_steps_reuse_their_buffers_without_raising_the_peak(strategy: str, preci
         if result["materializes"] and path == "point-to-point":
             assert result["held_at_once"] == 2, result
             assert result["held_after_backward"] == [1, 1, 1, 1], result
+
+
+def reductions_in_flight(rank: int, world_size: int, path: str) -> dict:
+    torch.manual_seed(0)
+    model = Tiny()
+    mesh = build_shard_mesh(ShardingStrategy.FULL_SHARD, None)
+    fast_path = path == "point-to-point"
+    with unittest.mock.patch.object(collectives, "exchanges_point_to_point", lambda *_: fast_path):
+        engine = shard_module(model, mesh, ShardingStrategy.FULL_SHARD, resolve_wrap_policy({Block}),
+                              torch.device("cpu"))
+        # When a unit's gradient is computed (the engine's hook runs first), is another unit's reduction, and so
+        # its unsharded gradients, still in flight?
+        overlapping, finished = [], 0
+        for unit in engine.units:
+            for p in unit.trainable:
+                def check(_param: Tensor, unit=unit) -> None:  # noqa: ANN001
+                    other = engine._pending_reduction is not None and engine._pending_reduction_unit is not unit
+                    overlapping.append(other)
+                p.unsharded.register_post_accumulate_grad_hook(check)
+        finish = engine._finish_reduction
+
+        def counted_finish() -> None:
+            nonlocal finished
+            finished += engine._pending_reduction is not None
+            finish()
+
+        engine._finish_reduction = counted_finish  # type: ignore[method-assign]
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+    return {"overlapping": sum(overlapping), "gradients": len(overlapping), "finished": finished}
+
+
+@pytest.mark.parametrize("path", ["point-to-point", "rank-major"])
+def test_a_reduction_finishes_before_the_next_units_gradients_pile_up(path: str) -> None:
+    # A unit's reduction holds its gradients (on gloo, sent straight from autograd's tensors) until it completes.
+    # It overlaps the start of the next unit's backward, but is finished at that unit's first gradient: a step
+    # never holds two units' unsharded gradients at once (the peak of a large model's step on CPU).
+    for result in run_on_ranks(reductions_in_flight, 2, path):
+        assert result["gradients"] == 2 * (4 + 4 * 6), result  # each step: the root's 2 Linear, 4 blocks' 3 modules
+        assert result["finished"] == 2 * 5, result  # every unit's reduction, each step (the root's too)
+        assert result["overlapping"] == 0, result

@@ -15,6 +15,7 @@ from typing import Literal
 import torch.distributed as dist
 
 from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import (
     GradSync,
@@ -44,6 +45,7 @@ class ShardOptions:
     cpu_offload: bool
     broadcast_buffers: bool
     param_init: ParamInit
+    cpu_allocator: CpuAllocator
     timeout: timedelta  # how long any rank waits in one collective before StalledRanksError
     process_group_backend: str | None
 
@@ -61,6 +63,7 @@ class ShardOptions:
         cpu_offload: bool = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
+        cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
         timeout: timedelta | None = None,
         process_group_backend: str | None = None,
     ) -> ShardOptions:
@@ -89,6 +92,7 @@ class ShardOptions:
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
             param_init=ParamInit.parse(param_init),
+            cpu_allocator=CpuAllocator.parse(cpu_allocator),
             timeout=_parse_timeout(timeout),
             process_group_backend=_parse_backend(process_group_backend),
         )
@@ -201,3 +205,7 @@ class ShardOptionsMixin:
     @property
     def param_init(self) -> ParamInit:
         return self.options.param_init
+
+    @property
+    def cpu_allocator(self) -> CpuAllocator:
+        return self.options.cpu_allocator

@@ -36,7 +36,7 @@ def setup_sharded_module(
     sharded_before = sharded_module_of(module) is not None
     engine = shard_module(
         module, mesh, options.sharding_strategy, options.wrap_policy, device, mixed_precision, cpu_offload=offloads,
-        param_init=options.param_init,
+        param_init=options.param_init, cpu_allocator=options.cpu_allocator,
     )
     engine.buffer_sync.enabled = options.broadcast_buffers
     if sharded_before:

@@ -7,6 +7,7 @@ unit's all-gather and its gradient reduction), ``collectives`` (the collectives 
 ``planning`` (which unit owns which parameter), ``buffers`` (buffers that follow DDP), ``sharded_module`` (the
 engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clipping``,
 ``activation_checkpointing``, ``compile`` (compiled blocks with the sharding hooks outside the compiled code),
+``cpu_allocator`` (glibc's malloc reusing the large blocks PyTorch frees every step on CPU),
 ``memory`` (what a rank holds) and ``estimate`` (what it would hold).
 """
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shard.engine.clipping import clip_grad_norm_ as _clip_shards
+from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import (
@@ -44,6 +46,7 @@ def shard_model(
     device: torch.device | str | None = None,
     cpu_offload: bool = False,
     param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
+    cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
 ) -> ShardedModule:
     """Shard ``model`` in place over the default process group, as the Lightning strategies do; return its engine.
 
@@ -71,7 +74,8 @@ def shard_model(
     mesh = build_shard_mesh(strategy, device_mesh, dist.get_backend())
     offload = cpu_offload and device.type != "cpu"
     policy = resolve_wrap_policy(auto_wrap_policy)
-    return shard_module(model, mesh, strategy, policy, device, mixed_precision, offload, init)
+    allocator = CpuAllocator.parse(cpu_allocator)
+    return shard_module(model, mesh, strategy, policy, device, mixed_precision, offload, init, allocator)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> Tensor:

@@ -29,8 +29,11 @@ change of order is picked up at the next one). When a unit starts its forward it
 unit's all-gather asynchronously, so the collective runs while this unit computes; when a unit
 starts its backward it does the same for the unit whose backward comes next (the previous one in
 forward order). At most two units are gathered or gathering at once. A unit's gradient reduction
-is issued asynchronously when its backward ends and completed when the next one is issued (and
-all of them at the end of backward), so it overlaps the next unit's backward. Every rank issues
+is issued asynchronously when its backward ends and completed as soon as the next unit's first
+gradient is computed (and all of them at the end of backward), so it overlaps the start of the next
+unit's backward while at most one unit's gradients pile up beside the one in flight: waiting only
+when the next reduction is issued held two units' unsharded gradients at once, the peak of a large
+model's step on CPU, where they are sent straight from autograd's tensors. Every rank issues
 the same collectives in the same order, since the recorded order is the same on every rank.
 
 [Note: the last unit of forward stays gathered]
@@ -41,6 +44,7 @@ backward uses it without a second all-gather. At most one unit beyond the runnin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -53,6 +57,7 @@ from lightning_shard.engine import collectives
 from lightning_shard.engine.buffer_pool import BufferPool
 from lightning_shard.engine.buffers import BufferSync, materialize_and_sync_buffers
 from lightning_shard.engine.compile import adopt_compiled_wrappers, outside_compiled_code
+from lightning_shard.engine.cpu_allocator import CpuAllocator, apply_cpu_allocator
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision, parse_dtype
 from lightning_shard.engine.param_shard import ShardedParam
@@ -80,6 +85,7 @@ class ShardedModule:
         self._recording: list[ShardUnit] = []
         self._position: dict[int, int] = {}
         self._pending_reduction: collectives.Pending | None = None
+        self._pending_reduction_unit: ShardUnit | None = None
         self.buffer_sync = BufferSync(root, mesh.world_size)  # see [Note: buffers follow DDP]
         self.pool = BufferPool()  # every unit's step buffers: see [Note: the buffer pool]
         # Parameters built on the meta device by modules without reset_parameters(), not loaded yet: fqn -> where.
@@ -93,7 +99,8 @@ class ShardedModule:
             unit.on_forward_started = self._prefetch_next_forward
             unit.on_pre_backward = self._prefetch_next_backward
             unit.on_resharded_in_backward = self._release_idle_block
-            unit.on_reduce_started = self._overlap_reduction
+            unit.on_reduce_started = functools.partial(self._overlap_reduction, unit)
+            unit.on_gradient_computed = self._finish_other_reduction
         setattr(root, _ENGINE_ATTR, self)
 
     @property
@@ -185,12 +192,19 @@ class ShardedModule:
         if any(not u.is_sharded for u in same_size):
             self.pool.release_free(size, unit.device)
 
-    def _overlap_reduction(self, pending: collectives.Pending | None) -> None:
+    def _overlap_reduction(self, unit: ShardUnit, pending: collectives.Pending | None) -> None:
         self._finish_reduction()
-        self._pending_reduction = pending
+        self._pending_reduction, self._pending_reduction_unit = pending, unit
+
+    def _finish_other_reduction(self, unit: ShardUnit) -> None:
+        """``unit`` computed a gradient: finish the reduction in flight if it is another unit's, so that its
+        gradients are freed before this unit's pile up (see [Note: prefetching and overlapped reductions])."""
+        if self._pending_reduction is not None and self._pending_reduction_unit is not unit:
+            self._finish_reduction()
 
     def _finish_reduction(self) -> None:
         pending, self._pending_reduction = self._pending_reduction, None
+        self._pending_reduction_unit = None
         if pending is not None:
             pending.wait()
 
@@ -268,13 +282,17 @@ def shard_module(
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: bool = False,
     param_init: ParamInit = ParamInit.RESET_PARAMETERS,
+    cpu_allocator: CpuAllocator = CpuAllocator.REUSE,
 ) -> ShardedModule:
     """Shard ``root`` in place: afterwards its parameters are this rank's shards and forward gathers them.
 
     With ``cpu_offload`` the shards (and so gradients and optimizer state) live in CPU memory while the model
     computes on ``device`` (see [Note: CPU offload] in ``unit.py``). ``param_init`` says how parameters built on
-    the meta device get their values (see [Note: parameters nothing initialises]).
+    the meta device get their values (see [Note: parameters nothing initialises]). ``cpu_allocator`` says what
+    sharding on CPU (or offloading to it) does to the process's C allocator (see [Note: the CPU allocator]).
     """
+    if device.type == "cpu" or cpu_offload:
+        apply_cpu_allocator(cpu_allocator)
     existing = getattr(root, _ENGINE_ATTR, None)
     if existing is not None:  # sharded before (an earlier stage or Trainer): keep the shards, use the new groups
         existing.rebind_mesh(mesh)

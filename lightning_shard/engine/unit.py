@@ -154,6 +154,7 @@ class ShardUnit:
         self.on_resharded_in_backward: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         # The engine overlaps reductions with the rest of backward; alone, a unit finishes its own at once.
         self.on_reduce_started: Callable[[collectives.Pending | None], None] = _wait_now
+        self.on_gradient_computed: Callable[[ShardUnit], None] = lambda unit: None  # set by the engine
         self.on_reshard_after_forward: Callable[[ShardUnit], None] = ShardUnit.reshard  # the engine may defer it
 
     def _layout(self) -> None:
@@ -319,6 +320,7 @@ class ShardUnit:
 
     def _on_grad_accumulated(self, _param: Tensor) -> None:
         self.expect_backward()
+        self.on_gradient_computed(self)
 
     def expect_backward(self) -> None:
         """Reduce at the end of the coming backward; gradients already ``HELD`` stay held until then."""

@@ -40,6 +40,7 @@ from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
 from lightning_shard.common.strategy_base import ShardStrategyMixin
 from lightning_shard.engine.clipping import clip_grads_with_norm_, global_grad_norm
+from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import GradSync, ParamInit, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
@@ -57,9 +58,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     Takes the same sharding arguments as the Trainer's ``lightning_shard.ShardStrategy`` (``auto_wrap_policy``,
     ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy``,
     ``grad_sync``, ``state_dict_type``, ``cpu_offload``, ``broadcast_buffers``, ``process_group_backend``,
-    ``timeout``, ``param_init``), with the same defaults; see that class for what each does. In Fabric,
-    ``grad_sync`` applies to micro-batches run under ``fabric.no_backward_sync(model)``, and ``param_init="empty"``
-    leaves a model built under ``fabric.init_module(empty_init=True)`` for ``fabric.load_raw`` to fill.
+    ``timeout``, ``param_init``, ``cpu_allocator``), with the same defaults; see that class for what each does.
+    In Fabric, ``grad_sync`` applies to micro-batches run under ``fabric.no_backward_sync(model)``, and
+    ``param_init="empty"`` leaves a model built under ``fabric.init_module(empty_init=True)`` for ``fabric.load_raw``
+    to fill.
 
     ``async_save=True`` writes ``fabric.save`` checkpoints in the background (Fabric's counterpart of the
     Trainer's ``AsyncCheckpointIO`` plugin): ``fabric.save`` returns once each rank has copied its rows aside (at
@@ -92,6 +94,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         cpu_offload: bool = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
+        cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
         async_save: bool = False,
     ) -> None:
         super().__init__(
@@ -112,6 +115,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
             param_init=param_init,
+            cpu_allocator=cpu_allocator,
             timeout=timeout,
             process_group_backend=process_group_backend,
         )

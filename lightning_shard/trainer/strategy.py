@@ -33,6 +33,7 @@ from lightning_shard.common.setup import accumulating, setup_sharded_module
 from lightning_shard.common.strategy_base import ShardStrategyMixin
 from lightning_shard.engine.clipping import clip_grad_norm_
 from lightning_shard.engine.compile import refuse_compiled_root
+from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.memory import MemoryReport, memory_report
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
@@ -98,6 +99,12 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             ``"empty"`` leaves them uninitialised for pretrained weights loaded in ``on_fit_start`` to fill (no
             unit is materialised in full, so the import holds only this rank's shards); a forward before every
             such parameter is loaded raises naming the missing ones.
+        cpu_allocator: what training on CPU does to the process's C allocator (glibc on Linux): ``"reuse"``
+            (default) keeps large freed blocks (autograd's weight gradients, optimizer temporaries) in the heap
+            for the next request instead of returning them to the kernel, which at a billion parameters saved
+            over a million page faults a step; ``"system"`` leaves the allocator as it is. Ignored when the
+            environment already sets glibc's malloc (``MALLOC_*_``, ``GLIBC_TUNABLES``) or preloads another
+            allocator.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
             naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.
@@ -125,6 +132,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         cpu_offload: bool = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
+        cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -146,6 +154,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
             param_init=param_init,
+            cpu_allocator=cpu_allocator,
             timeout=timeout,
             process_group_backend=process_group_backend,
         )

@@ -1,0 +1,100 @@
+"""The CPU allocator setting: sharding on CPU makes glibc keep large freed blocks for the next request (autograd's
+weight gradients, the optimizer's temporaries), so that a steady training step stops faulting in fresh pages for
+them; the user's own allocator settings win; a bad value is refused up front."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lightning_shard import ShardStrategy
+from lightning_shard.engine.cpu_allocator import AllocatorSetting, CpuAllocator, _user_chose_allocator
+from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# One process, world size 1 on gloo: two Linear(1024, 9216) layers, whose weight gradients (36 MiB each) and AdamW
+# temporaries are above glibc's largest adaptive mmap threshold (32 MiB). Prints the minor page faults of the
+# steady steps and what the engine did to the allocator.
+_STEPS = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from lightning_shard.engine import cpu_allocator, shard_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+    model = nn.Sequential(nn.Linear(1024, 9216), nn.ReLU(), nn.Linear(9216, 1024))
+    shard_model(model, auto_wrap_policy={nn.Linear}, device="cpu", cpu_allocator=sys.argv[1])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 1024)
+    faults = []
+    for step in range(5):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    dist.destroy_process_group()
+    print(json.dumps({"faults": faults[2:], "setting": cpu_allocator._applied and cpu_allocator._applied.value}))
+    """
+)
+
+
+def _steady_faults(choice: str, port: int, **env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    environ.update(OMP_NUM_THREADS="1", **env)
+    out = subprocess.run(
+        [sys.executable, "-c", _STEPS, choice, str(port)], env=environ, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting applies to glibc's malloc only")
+def test_reuse_stops_fresh_pages_for_gradients_and_optimizer_temporaries() -> None:
+    system = _steady_faults("system", 29931)
+    reuse = _steady_faults("reuse", 29932)
+    gradient_pages = 1024 * 9216 * 4 // 4096  # one weight gradient in 4 KiB pages
+    assert min(system["faults"]) > gradient_pages, system  # the model does fault them in fresh every step
+    assert reuse["setting"] == AllocatorSetting.APPLIED.value
+    assert max(reuse["faults"]) < gradient_pages // 4, (reuse, system)
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting applies to glibc's malloc only")
+def test_the_users_malloc_settings_win() -> None:
+    chosen = _steady_faults("reuse", 29933, MALLOC_MMAP_THRESHOLD_="65536")
+    assert chosen["setting"] == AllocatorSetting.USER_CHOSEN.value
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"MALLOC_TRIM_THRESHOLD_": "0"},
+        {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"},
+        {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
+        {"LD_PRELOAD": "libtcmalloc_minimal.so.4"},
+    ],
+)
+def test_what_counts_as_the_users_choice(environ: dict[str, str]) -> None:
+    assert _user_chose_allocator(environ)
+
+
+def test_an_unrelated_environment_is_not_a_choice() -> None:
+    assert not _user_chose_allocator({"GLIBC_TUNABLES": "glibc.rtld.optional_static_tls=2048", "LD_PRELOAD": ""})
+
+
+@pytest.mark.parametrize("strategy", [ShardStrategy, FabricShardStrategy])
+def test_an_unknown_allocator_choice_is_refused_when_the_strategy_is_built(strategy: type) -> None:
+    with pytest.raises(ValueError, match=r"cpu_allocator must be one of 'reuse', 'system', got 'fast'"):
+        strategy(cpu_allocator="fast")
+    assert strategy(cpu_allocator="system").cpu_allocator is CpuAllocator.SYSTEM
+    assert strategy().cpu_allocator is CpuAllocator.REUSE
