@@ -9,10 +9,11 @@ ShardStrategy's engine, PyTorch's fully_shard, DDP (where it fits in memory) and
 
 Every run is fresh processes: 2 gloo ranks with one thread each (the single process: one rank, same per-rank
 batch), the model built on the meta device and initialised sharded (DDP and the single process build it in
-full), fp32 AdamW, default glibc malloc settings (as users run). Per rank it records the median step time
-after the warm-up steps, the peak RSS (``ru_maxrss``, absolute), and over the measured steps the user and
-system (kernel) CPU time and the minor page faults. A figure is the slower or larger rank's. DDP and the
-single process are skipped where their replicated model state would not fit in this machine's memory.
+full), fp32 AdamW, no MALLOC_* variables (as users run; ShardStrategy's engine applies its cpu_allocator
+default). Per rank it records the median step time after the warm-up steps, the peak RSS (``ru_maxrss``,
+absolute), and over the measured steps the user and system (kernel) CPU time and the minor page faults. A figure
+is the slower or larger rank's. DDP and the single process are skipped where their replicated model state would
+not fit in this machine's memory.
 """
 
 from __future__ import annotations
