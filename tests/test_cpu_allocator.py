@@ -98,3 +98,24 @@ def test_an_unknown_allocator_choice_is_refused_when_the_strategy_is_built(strat
         strategy(cpu_allocator="fast")
     assert strategy(cpu_allocator="system").cpu_allocator is CpuAllocator.SYSTEM
     assert strategy().cpu_allocator is CpuAllocator.REUSE
+
+
+def test_both_front_ends_hand_the_choice_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch import nn
+
+    from lightning_shard.common import setup
+    from lightning_shard.common.options import ShardOptions
+
+    seen = []
+
+    def fake_shard_module(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs["cpu_allocator"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(setup, "shard_module", fake_shard_module)
+    for choice in ("system", "reuse"):
+        with pytest.raises(RuntimeError, match="stop here"):
+            setup.setup_sharded_module(nn.Linear(2, 2), ShardOptions.parse(cpu_allocator=choice), None,  # type: ignore[arg-type]
+                                       torch.device("cpu"), None)
+    assert seen == [CpuAllocator.SYSTEM, CpuAllocator.REUSE]

@@ -89,9 +89,11 @@ def _reuse_large_blocks() -> AllocatorSetting:
     except (OSError, AttributeError):
         return AllocatorSetting.UNSUPPORTED
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # The trim threshold first: setting either one turns glibc's adaptive thresholds off.
-    if mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1 or mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:
+    # The mmap threshold first: a glibc that refuses it (older ones cap it at 32 MiB) changes nothing, whereas a
+    # trim threshold set alone would turn the adaptive mmap threshold off and leave it at its 128 KiB start.
+    if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:
         return AllocatorSetting.UNSUPPORTED
+    mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     return AllocatorSetting.APPLIED
 
 
