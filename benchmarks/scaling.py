@@ -3,6 +3,7 @@ ShardStrategy's engine, PyTorch's fully_shard, DDP (where it fits in memory) and
 
     .venv/bin/python benchmarks/scaling.py                      # all sizes; writes docs/benchmarks.md's table + PNG
     .venv/bin/python benchmarks/scaling.py --sizes 25M --engines shard ddp --no-write
+    .venv/bin/python benchmarks/scaling.py --sizes 25M --engines shard --sharding-strategy SHARD_GRAD_OP --no-write
     .venv/bin/python benchmarks/scaling.py --sizes 1B --engines shard --profile /tmp/prof   # cProfile per rank
     .venv/bin/python benchmarks/scaling.py --sizes 1B --results runs.json   # add to (or redo in) earlier runs
     .venv/bin/python benchmarks/scaling.py --results runs.json --table-only  # write the table and plot of runs.json
@@ -97,7 +98,9 @@ def _gpt(size: Size):  # noqa: ANN202
     return GPT, Block
 
 
-def _worker(rank: int, world: int, engine: str, size_name: str, port: int, out: str, profile: str | None) -> None:
+def _worker(
+    rank: int, world: int, engine: str, size_name: str, port: int, out: str, profile: str | None, sharding: str
+) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -119,7 +122,7 @@ def _worker(rank: int, world: int, engine: str, size_name: str, port: int, out: 
         from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
         from lightning_shard.engine.sharded_module import shard_module
 
-        strategy = ShardingStrategy.FULL_SHARD
+        strategy = ShardingStrategy.parse(sharding)
         mesh = build_shard_mesh(strategy, None)
         shard_module(model, mesh, strategy, resolve_wrap_policy({Block}), torch.device("cpu"))
     elif engine == "fully_shard":
@@ -182,12 +185,12 @@ def fits(engine: str, size: Size) -> bool:
     return processes * per_process < MEMORY_BUDGET_GB * 2**30
 
 
-def run(engine: str, size_name: str, port: int, profile: str | None) -> dict[str, float]:
+def run(engine: str, size_name: str, port: int, profile: str | None, sharding: str = "FULL_SHARD") -> dict[str, float]:
     import torch.multiprocessing as mp
 
     world = 1 if engine == "single" else 2
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world, engine, size_name, port, out, profile), nprocs=world,
+        mp.start_processes(_worker, args=(world, engine, size_name, port, out, profile, sharding), nprocs=world,
                            start_method="spawn")
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
     return {key: max(r[key] for r in ranks) for key in ranks[0]}
@@ -202,7 +205,11 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--results", help="a JSON file of results: runs already in it are kept, new ones added")
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table (and plot) of --results")
+    parser.add_argument("--sharding-strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP"],
+                        help="ShardStrategy's; the table in docs/benchmarks.md is FULL_SHARD's")
     args = parser.parse_args()
+    if args.sharding_strategy != "FULL_SHARD" and (not args.no_write or args.results):
+        parser.error("--sharding-strategy other than FULL_SHARD prints its rows only: add --no-write, drop --results")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     saved = Path(args.results) if args.results else None
     results: dict[str, dict[str, dict[str, float]]] = json.loads(saved.read_text()) if saved and saved.exists() else {}
@@ -212,7 +219,8 @@ def main() -> None:
             if not fits(engine, SIZES[size_name]):
                 continue
             port += 1
-            results.setdefault(size_name, {})[engine] = run(engine, size_name, port, args.profile)
+            result = run(engine, size_name, port, args.profile, args.sharding_strategy)
+            results.setdefault(size_name, {})[engine] = result
             print(size_name, engine, json.dumps(results[size_name][engine]), flush=True)
             if saved:
                 saved.write_text(json.dumps(results, indent=1))
