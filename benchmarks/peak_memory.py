@@ -30,26 +30,32 @@ D, LAYERS, HEADS, CTX, VOCAB, BATCH = 512, 8, 8, 64, 512, 8
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, d: int = D, heads: int = HEADS) -> None:
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, 2))
+        h = self.heads
+        q, k, v = (t.view(B, T, h, C // h).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, 2))
         x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
-    def __init__(self) -> None:
+    """The benchmarks' GPT: by default the 25M-parameter one (the sizes above); scaling.py builds larger ones."""
+
+    def __init__(
+        self, d: int = D, layers: int = LAYERS, heads: int = HEADS, ctx: int = CTX, vocab: int = VOCAB
+    ) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(CTX, D)
-        self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
-        self.ln_f = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))

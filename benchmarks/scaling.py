@@ -26,6 +26,7 @@ import os
 import pstats
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -61,43 +62,6 @@ SIZES = {
 }
 
 
-def _gpt(size: Size):  # noqa: ANN202
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    d, heads = size.d, size.d // 64
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            B, T, C = x.shape
-            q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, 2))
-            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(size.vocab, d), nn.Embedding(size.ctx, d)
-            self.blocks = nn.ModuleList([Block() for _ in range(size.layers)])
-            self.ln_f = nn.LayerNorm(d)
-            self.head = nn.Linear(d, size.vocab, bias=False)
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-            for b in self.blocks:
-                x = b(x)
-            return self.head(self.ln_f(x))
-
-    return GPT, Block
-
-
 def _worker(
     rank: int, world: int, engine: str, size_name: str, port: int, out: str, profile: str | None, sharding: str
 ) -> None:
@@ -111,12 +75,15 @@ def _worker(
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     size = SIZES[size_name]
-    GPT, Block = _gpt(size)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peak_memory import GPT, Block  # the benchmarks' GPT, here at this size with 64-wide heads
+
+    dims = (size.d, size.layers, size.d // 64, size.ctx, size.vocab)
     if engine in ("shard", "fully_shard"):
         with torch.device("meta"):
-            model = GPT()
+            model = GPT(*dims)
     else:
-        model = GPT()
+        model = GPT(*dims)
     if engine == "shard":
         from lightning_shard.engine.mesh import build_shard_mesh
         from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
@@ -162,7 +129,7 @@ def _worker(
     assert usage is not None
     if profiler is not None:
         profiler.disable()
-        profiler.dump_stats(f"{profile}.{size_name}.{engine}.rank{rank}")
+        profiler.dump_stats(f"{profile}.{size_name}.{engine}.{sharding}.rank{rank}")
     measured = size.steps - size.warmup
     result = {
         "step": statistics.median(times[size.warmup :]),
@@ -201,13 +168,15 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
     parser.add_argument("--port", type=int, default=29700)
-    parser.add_argument("--profile", help="cProfile the measured steps into PROFILE.<size>.<engine>.rank<r>")
+    parser.add_argument("--profile", help="cProfile the measured steps into PROFILE.<size>.<engine>.<sharding>.rank<r>")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--results", help="a JSON file of results: runs already in it are kept, new ones added")
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table (and plot) of --results")
     parser.add_argument("--sharding-strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP"],
                         help="ShardStrategy's; the table in docs/benchmarks.md is FULL_SHARD's")
     args = parser.parse_args()
+    if args.table_only and not args.results:
+        parser.error("--table-only writes the table of --results: pass the results file")
     if args.sharding_strategy != "FULL_SHARD" and (not args.no_write or args.results):
         parser.error("--sharding-strategy other than FULL_SHARD prints its rows only: add --no-write, drop --results")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

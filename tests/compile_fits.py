@@ -84,7 +84,12 @@ def trainer_compiled_fit(rank: int, world_size: int, run: CompileRun) -> dict[st
         trainer.fit(module, train_dataloaders=loader("gpt"))
     except ValueError as error:
         return {"error": str(error)}
-    return {"losses": module.losses, "graphs": graphs.graphs, "params": full_params_shard(strategy)}
+    blocks = [m for m in module.modules() if isinstance(m, GPTBlock)]
+    checkpointed = sum(getattr(m, "_lightning_shard_checkpointed", False) for m in blocks)
+    return {
+        "losses": module.losses, "graphs": graphs.graphs, "params": full_params_shard(strategy),
+        "blocks": len(blocks), "checkpointed": checkpointed,
+    }
 
 
 def fabric_compiled_fit(

@@ -119,26 +119,31 @@ def steady_state(rank: int, world_size: int, strategy: str, precision: str, path
 
 
 @pytest.mark.parametrize(
-    ("strategy", "precision", "path"),
+    ("strategy", "precision", "path", "materializes", "held_at_once", "held_after_backward"),
     [
-        ("FULL_SHARD", "fp32", "point-to-point"),  # gloo's exchange, received straight into the gradients' memory
-        ("FULL_SHARD", "bf16", "point-to-point"),  # cast staging for the gather, fp32 receive buffer
-        ("FULL_SHARD", "fp32", "rank-major"),  # the path NCCL takes: rank-major gather and reduce-scatter input
-        ("NO_SHARD", "fp32", "point-to-point"),  # replicas only: the all-reduce buffer
+        # gloo's exchange, received straight into the gradients' memory: two gathered units at most, the last
+        # unit's block kept after backward
+        ("FULL_SHARD", "fp32", "point-to-point", True, 2, 1),
+        ("FULL_SHARD", "bf16", "point-to-point", True, 2, 1),  # cast staging for the gather, fp32 receive buffer
+        # The path NCCL takes: the rank-major gather's staging has a unit buffer's size, so it counts as one more
+        # block (in use during a gather, kept free in the pool afterwards).
+        ("FULL_SHARD", "fp32", "rank-major", True, 3, 2),
+        ("NO_SHARD", "fp32", "point-to-point", False, 0, 0),  # replicas only: the all-reduce buffer, no unit buffer
     ],
 )
-def test_steps_reuse_their_buffers_without_raising_the_peak(strategy: str, precision: str, path: str) -> None:
+def test_steps_reuse_their_buffers_without_raising_the_peak(
+    strategy: str, precision: str, path: str, materializes: bool, held_at_once: int, held_after_backward: int
+) -> None:
     for result in run_on_ranks(steady_state, 2, strategy, precision, path):
+        assert result["materializes"] is materializes
         # After the second step a step allocates no buffer but the one block given back for the end of backward.
         new = result["new_per_step"]
-        assert new[1] == new[2] == (1 if result["materializes"] else 0), new
+        assert new[1] == new[2] == (1 if materializes else 0), new
         # The shards' gradients are the same memory step after step (written in place after zero_grad()).
         assert result["grad_memory"][1] == result["grad_memory"][2] == result["grad_memory"][3]
-        # Never more blocks' buffers than two gathered units need, and only the last unit's when backward ends.
-        # (On the rank-major path the gather's staging has a unit buffer's size: it would count as one.)
-        if result["materializes"] and path == "point-to-point":
-            assert result["held_at_once"] == 2, result
-            assert result["held_after_backward"] == [1, 1, 1, 1], result
+        # Never more unit-sized blocks than the gathered units need, and only the last unit's when backward ends.
+        assert result["held_at_once"] == held_at_once, result
+        assert result["held_after_backward"] == [held_after_backward] * 4, result
 
 
 def reductions_in_flight(rank: int, world_size: int, path: str) -> dict:

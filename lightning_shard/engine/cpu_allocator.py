@@ -29,6 +29,8 @@ import os
 import platform
 from typing import Literal
 
+from lightning_shard.engine.policies import parse_choice
+
 MMAP_THRESHOLD = 128 * 2**20  # blocks up to this size come from the heap (every weight gradient up to 32M entries)
 TRIM_THRESHOLD = 256 * 2**20  # free memory at the top of the heap kept for the next request instead of returned
 
@@ -47,13 +49,7 @@ class CpuAllocator(enum.Enum):
 
     @classmethod
     def parse(cls, value: Literal["reuse", "system"] | CpuAllocator) -> CpuAllocator:
-        if isinstance(value, CpuAllocator):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            valid = ", ".join(repr(c.value) for c in cls)
-            raise ValueError(f"cpu_allocator must be one of {valid}, got {value!r}.") from None
+        return parse_choice(cls, value, "cpu_allocator")
 
 
 class AllocatorSetting(enum.Enum):

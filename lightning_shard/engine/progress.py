@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 PUBLISH_INTERVAL_S = 0.5  # how stale a suspended rank's record can be; the thread costs nothing between wake-ups
+STOP_WAIT_S = 5.0  # at most this long for a store call in flight when publishing stops
 _KEY_PREFIX = "lightning_shard/progress/"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -197,7 +198,6 @@ def read_peer_records(store: Any, world_size: int, within_s: float) -> tuple[dic
 
 
 _PUBLISHER: ProgressPublisher | None = None
-STOP_WAIT_S = 5.0  # at most this long for a store call in flight when publishing stops
 
 
 @atexit.register
