@@ -1,6 +1,8 @@
 """Side by side on the 25M-parameter GPT: ShardStrategy, DDPStrategy, ModelParallelStrategy with PyTorch's
 fully_shard (per block and root), and a single process. Median step time after warm-up, peak RSS per rank above
-the interpreter-and-libraries baseline, and collective bytes per step.
+the interpreter-and-libraries baseline, collective bytes per step, and the step split into forward (to the end of
+``training_step``), backward (to ``on_after_backward``, the engine's last reduction included) and the rest (the
+optimizer step and Lightning's bookkeeping), each the median over steps of the slowest rank.
 
     .venv/bin/python benchmarks/step_time.py --repeats 3            # writes docs/benchmarks.md's table and a PNG
 
@@ -26,6 +28,7 @@ from typing import Any
 
 ENGINES = ["shard", "ddp", "fully_shard", "single"]
 WARMUP, MEASURED = 3, 8
+PHASES = ["forward", "backward", "optimizer"]
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_START, TABLE_END = "<!-- step-time table start -->", "<!-- step-time table end -->"
 
@@ -60,6 +63,7 @@ def run_engine(engine: str, out_dir: str) -> None:
             super().__init__()
             self.model: torch.nn.Module | None = None
             self.times: list[float] = []
+            self.phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer step (and the rest)
 
         def configure_model(self) -> None:
             if self.model is not None:
@@ -73,7 +77,12 @@ def run_engine(engine: str, out_dir: str) -> None:
                 fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
 
         def training_step(self, idx: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            return F.cross_entropy(self.model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+            loss = F.cross_entropy(self.model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+            self._t_forward = time.perf_counter()
+            return loss
+
+        def on_after_backward(self) -> None:
+            self._t_backward = time.perf_counter()
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             if batch_idx == WARMUP:
@@ -84,7 +93,9 @@ def run_engine(engine: str, out_dir: str) -> None:
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.times.append(time.perf_counter() - self._t0)
+            end = time.perf_counter()
+            self.times.append(end - self._t0)
+            self.phases.append((self._t_forward - self._t0, self._t_backward - self._t_forward, end - self._t_backward))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -109,6 +120,7 @@ def run_engine(engine: str, out_dir: str) -> None:
         moved = sum(p.numel() * p.element_size() for p in module.parameters())
     result = {
         "step_time": statistics.median(module.times[WARMUP:]),
+        **{f"{phase}_time": statistics.median(p[i] for p in module.phases[WARMUP:]) for i, phase in enumerate(PHASES)},
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline,
         "bytes_per_step": moved,
     }
@@ -149,7 +161,7 @@ def main() -> None:
     if args.engine:
         run_engine(args.engine, args.out)
         return
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no MALLOC_* variables: each engine's own allocator settings
     runs: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
     for _ in range(args.repeats):
         for engine in ENGINES:
@@ -159,6 +171,7 @@ def main() -> None:
                 ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
             runs[engine].append({
                 "step_time": max(r["step_time"] for r in ranks),
+                **{f"{phase}_time": max(r[f"{phase}_time"] for r in ranks) for phase in PHASES},
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
                 "bytes_per_step": max(r["bytes_per_step"] for r in ranks),
             })
@@ -175,16 +188,18 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 def _table(runs: dict[str, list[dict[str, float]]]) -> str:
     ddp, fsdp = _median(runs["ddp"], "step_time"), _median(runs["fully_shard"], "step_time")
     lines = [
-        "| engine | median step (s) | vs DDP | vs fully_shard | peak RSS above baseline (MiB)"
-        " | collective MiB per step |",
-        "|---|---|---|---|---|---|",
+        "| engine | median step (s) | vs DDP | vs fully_shard | forward / backward / optimizer step (s)"
+        " | peak RSS above baseline (MiB) | collective MiB per step |",
+        "|---|---|---|---|---|---|---|",
     ]
     names = {"shard": "ShardStrategy", "ddp": "DDPStrategy", "fully_shard": "ModelParallelStrategy + fully_shard",
              "single": "single process"}
     for engine, values in runs.items():
         step = _median(values, "step_time")
+        phases = " / ".join(f"{_median(values, phase + '_time'):.3f}" for phase in PHASES)
         lines.append(
             f"| {names[engine]} | {step:.3f} | {step / ddp:.2f}x | {step / fsdp:.2f}x |"
+            f" {phases} |"
             f" {_median(values, 'peak_rss_mb'):.0f} | {_median(values, 'bytes_per_step') / 2**20:.0f} |"
         )
     return "\n".join(lines)
