@@ -197,6 +197,7 @@ def _run_exit_script(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.launch
 def test_the_end_of_a_fabric_process_waits_for_the_last_background_save(tmp_path: Path) -> None:
     done = _run_exit_script(str(tmp_path / "last.ckpt"))
     report = f"exit {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
@@ -208,6 +209,7 @@ def test_the_end_of_a_fabric_process_waits_for_the_last_background_save(tmp_path
     ], report
 
 
+@pytest.mark.launch
 def test_a_background_save_failing_at_the_end_of_a_fabric_process_fails_the_process(tmp_path: Path) -> None:
     done = _run_exit_script(str(tmp_path / "last.ckpt"), "--fail-on-rank-1")
     report = f"exit {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file, save_file
+
+pytestmark = pytest.mark.launch  # every test here starts whole jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")

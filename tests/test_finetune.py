@@ -8,6 +8,8 @@ logits, and ``lightning_shard.load_from_checkpoint`` in one process gives the sa
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
@@ -65,24 +67,35 @@ class FineTunedGPT2(L.LightningModule):
 _reset_calls = [0]
 
 
-def _count_resets() -> None:
-    """Count reset_parameters() calls of the initialisable modules GPT-2 holds (Embedding, LayerNorm)."""
-    for cls in (nn.Embedding, nn.LayerNorm):
-        original = cls.reset_parameters
-        if getattr(original, "counted", False):
-            continue
+@contextmanager
+def _counting_resets() -> Iterator[None]:
+    """Count reset_parameters() calls of the initialisable modules GPT-2 holds (Embedding, LayerNorm) in
+    ``_reset_calls``, from zero; the classes get their own methods back on exit (the rank workers outlive a test)."""
+    originals = {cls: cls.reset_parameters for cls in (nn.Embedding, nn.LayerNorm)}
 
-        def counted(self: nn.Module, original: Any = original) -> None:
+    def counting(original: Any) -> Any:
+        def counted(self: nn.Module) -> None:
             _reset_calls[0] += 1
             original(self)
 
-        counted.counted = True  # type: ignore[attr-defined]
-        cls.reset_parameters = counted  # type: ignore[method-assign]
+        return counted
+
+    _reset_calls[0] = 0
+    for cls, original in originals.items():
+        cls.reset_parameters = counting(original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.reset_parameters = original  # type: ignore[method-assign]
 
 
 def fine_tune(rank: int, world_size: int, pretrained: str, ckpt_dir: str) -> dict[str, Any]:
-    _count_resets()
-    _reset_calls[0] = 0
+    with _counting_resets():
+        return _fine_tune(world_size, pretrained, ckpt_dir)
+
+
+def _fine_tune(world_size: int, pretrained: str, ckpt_dir: str) -> dict[str, Any]:
     L.seed_everything(0)
     module = FineTunedGPT2(pretrained)
     trainer = L.Trainer(

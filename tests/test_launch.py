@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launch  # every test here starts whole jobs
+
 SCRIPT = Path(__file__).parent / "scripts" / "launch_fit.py"
 _LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 

@@ -68,6 +68,7 @@ def _losses(path: Path) -> dict[int, float]:
     return {int(step): loss for step, loss in json.loads(path.read_text()).items()}
 
 
+@pytest.mark.launch
 def test_sigterm_to_one_rank_saves_last_on_every_rank_and_resume_trains_the_remaining_steps(tmp_path: Path) -> None:
     reference = _start(_command(tmp_path / "reference"))  # never interrupted; runs alongside
     root = tmp_path / "run"

@@ -69,6 +69,7 @@ def _pids(stdout: str) -> dict[int, int]:
     return found
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("front", ["trainer", "fabric"])
 def test_the_rank_left_waiting_names_the_rank_that_stopped(tmp_path: Path, front: str) -> None:
     # Rank 1 (the launcher's child) suspends itself between its forward and its backward; rank 0 must give up in
@@ -87,6 +88,7 @@ def test_the_rank_left_waiting_names_the_rank_that_stopped(tmp_path: Path, front
     assert "finished" not in run.out.read_text()
 
 
+@pytest.mark.launch
 def test_a_stopped_rank_0_is_named_although_the_store_it_serves_stops_with_it(tmp_path: Path) -> None:
     run = _Run(tmp_path, "trainer", stop_rank=0)  # rank 0 is the launching process: the test ends it
     try:
