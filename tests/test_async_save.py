@@ -5,7 +5,6 @@ the checkpoint resumes exactly, at most one save is in flight, a failure in the 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader
 from lightning_shard import ShardStrategy
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
 from tests.checkpoint_fits import fit
+from tests.jobs import job_env
 from tests.models import LitModel, make_dataset
 
 _WORKER = "lightning_shard-background-save"
@@ -189,10 +189,9 @@ def test_fabric_async_save_must_be_a_bool() -> None:
 
 
 def _run_exit_script(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     script = Path(__file__).parent / "scripts" / "fabric_async_exit.py"
     return subprocess.run(
-        [sys.executable, str(script), *args], env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        [sys.executable, str(script), *args], env=job_env(), capture_output=True, text=True,
         timeout=240,
     )
 

@@ -17,7 +17,7 @@ import pytest
 from lightning_shard import ShardStrategy
 from lightning_shard.engine.cpu_allocator import AllocatorSetting, CpuAllocator, _user_chose_allocator
 from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
-from lightning_shard.testing import _free_port
+from tests.jobs import free_port
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -55,7 +55,7 @@ def _steady_faults(choice: str, **env: str) -> dict:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environ.update(OMP_NUM_THREADS="1", **env)
     out = subprocess.run(
-        [sys.executable, "-c", _STEPS, choice, str(_free_port())],
+        [sys.executable, "-c", _STEPS, choice, str(free_port())],
         env=environ, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from tests.jobs import free_port
 from tests.models import GPTBlock, LitModel, TinyGPT, loader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,12 +50,6 @@ class _Data(L.LightningDataModule):
         return loader("gpt")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class _OneProcessFabric(L.Fabric):
@@ -77,7 +72,7 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     monkeypatch.chdir(tmp_path)
     # What torchrun sets, for a block that calls torch.distributed.init_process_group() itself: one rank.
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     lightning = type(L)("lightning")  # the block's `import lightning as L` must see the one-process Fabric

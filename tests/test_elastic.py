@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.jobs import free_port, job_env
+
 SCRIPT = Path(__file__).parent / "scripts" / "elastic_fit.py"
-_LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")
 MAX_STEPS = 12
 # Fast failure detection for the test; see docs/operations.md for production values.
 RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
@@ -26,16 +26,9 @@ pytestmark = pytest.mark.launch
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS and not k.startswith("TORCHELASTIC")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see "Elastic restarts" in docs/operations.md
-    return env
+    return job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # see "Elastic restarts" in docs/operations.md
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _agent(root: Path, port: int, hosts_store: bool, *extra: str) -> subprocess.Popen:
@@ -76,7 +69,7 @@ def test_a_job_that_loses_a_node_restarts_on_the_ranks_left_with_the_losses_of_a
          "--root", str(reference_root)],
         env=_env(), stdout=(tmp_path / "reference.log").open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
-    port = _free_port()
+    port = free_port()
     survivor = _agent(root, port, True, "--step-sleep", "0.3")
     lost = _agent(root, port, False, "--step-sleep", "0.3")
     try:

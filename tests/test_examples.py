@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +10,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.jobs import job_env
+
 pytestmark = pytest.mark.launch  # every test here starts whole jobs
 
 ROOT = Path(__file__).resolve().parents[1]
-_LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 
 
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS} | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, *args], cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 

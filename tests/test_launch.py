@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.jobs import job_env
+
 pytestmark = pytest.mark.launch  # every test here starts whole jobs
 
 SCRIPT = Path(__file__).parent / "scripts" / "launch_fit.py"
-_LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 
 
 def _launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS}
-    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(SCRIPT), *args], env=job_env(), capture_output=True, text=True, timeout=timeout
     )
 
 

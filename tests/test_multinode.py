@@ -4,8 +4,6 @@ replicate across nodes)."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,24 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.jobs import free_port, job_env
+
 SCRIPT = Path(__file__).parent / "scripts" / "multinode_fit.py"
-_LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")
 
 pytestmark = pytest.mark.launch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("multinode")
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS and not k.startswith("TORCHELASTIC")}
-    env["OMP_NUM_THREADS"] = "1"
-    port = _free_port()
+    env = job_env()
+    port = free_port()
     logs = [root / f"agent-{node}.log" for node in (0, 1)]
     agents = [
         subprocess.Popen(

@@ -24,10 +24,10 @@ from lightning_shard.common.preemption import PreemptionState, PreemptionWatcher
 from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
 from lightning_shard.testing import run_on_ranks
 from lightning_shard.trainer.preemption import Preempted, PreemptionCheckpoint, attach_preemption, detach_preemption
+from tests.jobs import job_env
 from tests.models import MLPBlock, lit_model, loader
 
 SCRIPT = Path(__file__).parent / "scripts" / "preempt_fit.py"
-_LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 MAX_STEPS = 10
 
 
@@ -35,16 +35,10 @@ def _command(root: Path, *args: str) -> list[str]:
     return [sys.executable, str(SCRIPT), "--root", str(root), "--max-steps", str(MAX_STEPS), *args]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _start(command: list[str]) -> subprocess.Popen:
     """A job in its own process group, so that ``_stop`` can end every rank of it."""
     return subprocess.Popen(
-        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
 
 

@@ -15,9 +15,9 @@ import pytest
 
 from lightning_shard.engine.progress import Activity, PeerRecord
 from lightning_shard.engine.stall import StalledRanksError, _diagnosis, is_timeout
+from tests.jobs import job_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "stall_fit.py"
-_LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 TIMEOUT_S = "4"  # the strategy's timeout in these runs: short, so that the tests stay fast
 
 
@@ -25,13 +25,11 @@ class _Run:
     """The script launched the way users launch it, its output in files (a suspended rank keeps pipes open)."""
 
     def __init__(self, tmp_path: Path, front: str, stop_rank: int) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_VARS}
-        env["OMP_NUM_THREADS"] = "1"
         self.out, self.err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, str(SCRIPT), "--front", front, "--stop-rank", str(stop_rank), "--timeout", TIMEOUT_S],
-                env=env,
+                env=job_env(),
                 stdout=out,
                 stderr=err,
             )
