@@ -604,3 +604,67 @@ def meta_buffer_left(rank: int, world_size: int) -> str:
 def test_a_buffer_left_on_the_meta_device_is_named_on_every_rank() -> None:
     for message in run_on_ranks(meta_buffer_left, 2):
         assert "'running_total'" in message and "meta device" in message, message
+
+
+class AttentionBlock(nn.Module):
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``, and initialises itself with a
+    private ``_reset_parameters()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x + self.attn(x, x, x, need_weights=False)[0])
+
+
+class AttentionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([AttentionBlock() for _ in range(2)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def attention_by_size(rank: int, world_size: int) -> list[str]:
+    """The size policy on attention blocks: gradients as DDP's; returns the unit names."""
+    torch.manual_seed(0)
+    reference, model = AttentionNet(), AttentionNet()
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(rank))
+    expected = _reference_grads(reference, x, world_size)
+    engine = _shard(model, "FULL_SHARD", 300)  # below one attention module's 1088 parameters
+    model(x).square().mean().backward()
+    for p in engine.sharded_params():
+        torch.testing.assert_close(engine.gather_full(p, p.sharded.grad), expected[p.fqn], msg=p.fqn)
+    return [unit.name for unit in engine.units]
+
+
+def test_the_size_policy_keeps_multihead_attention_whole_and_trains_it_as_ddp() -> None:
+    names = run_on_ranks(attention_by_size, 2)[0]
+    assert "blocks.0.attn" in names and not any(name.endswith("out_proj") for name in names), names
+
+
+def attention_on_meta(rank: int, world_size: int) -> dict[str, Tensor]:
+    with torch.device("meta"):
+        model = AttentionNet()
+    torch.manual_seed(3)
+    engine = _shard(model, "FULL_SHARD", {AttentionBlock})
+    model(torch.randn(2, 5, 16)).sum().backward()  # refused if anything were left uninitialised
+    return {p.fqn: engine.gather_full(p, p.sharded) for p in engine.sharded_params()}
+
+
+def test_multihead_attention_built_on_the_meta_device_initialises_itself() -> None:
+    results = run_on_ranks(attention_on_meta, 2)
+    for name, t in results[0].items():
+        torch.testing.assert_close(t, results[1][name])
+    full = results[0]
+    bound = math.sqrt(6 / (16 + 3 * 16))  # xavier-uniform over the (3 * 16, 16) input projection
+    in_proj = full["blocks.0.attn.in_proj_weight"]
+    assert in_proj.abs().max() <= bound and in_proj.std() > bound / 4
+    assert full["blocks.0.attn.in_proj_bias"].eq(0).all() and full["blocks.0.attn.out_proj.bias"].eq(0).all()
+    assert full["blocks.0.attn.out_proj.weight"].std() > 0

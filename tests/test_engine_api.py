@@ -99,3 +99,36 @@ def needs_a_process_group(rank: int, world_size: int) -> str:
 def test_shard_model_without_a_process_group_says_what_to_do() -> None:
     for message in run_on_ranks(needs_a_process_group, 1):
         assert "call torch.distributed.init_process_group() first" in message
+
+
+def root_submodule_around_a_step(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """``lm_head`` (root-unit weights) called on its own without gradients, between backward and the optimizer step,
+    after the step, and after loading other weights: each call must see the weights as they are then."""
+    torch.manual_seed(0)
+    reference, model = TinyGPT(), TinyGPT()
+    model.load_state_dict(reference.state_dict())
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _batch(rank)
+    probe = torch.linspace(-1.0, 1.0, 16).unsqueeze(0)  # not constant: a LayerNorm'd input's update sums to zero
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    with torch.no_grad():
+        before = model.lm_head(probe)
+    optimizer.step()
+    with torch.no_grad():
+        after = model.lm_head(probe)
+    ref_before = reference.lm_head(probe).detach()
+    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
+    for p in reference.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    return {"before": before, "after": after, "ref_before": ref_before, "ref_after": reference.lm_head(probe).detach()}
+
+
+def test_a_root_submodule_called_without_gradients_sees_the_weights_of_the_moment() -> None:
+    for run in run_on_ranks(root_submodule_around_a_step, 2):
+        torch.testing.assert_close(run["before"], run["ref_before"])
+        torch.testing.assert_close(run["after"], run["ref_after"])
+        assert not torch.equal(run["after"], run["before"])

@@ -85,3 +85,10 @@ def test_mesh_shapes(strategy: str, world: int, mesh: tuple[int, int] | None, sh
 def test_bad_meshes_explain_themselves(strategy: str, mesh: tuple[int, int] | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         mesh_shape(ShardingStrategy.parse(strategy), 4, mesh)
+
+
+def test_the_size_policy_never_splits_multihead_attention() -> None:
+    """``nn.MultiheadAttention`` reads its ``out_proj``'s weights without calling it: a unit there would never be
+    gathered. Its parameters count as its own, as in PyTorch's size-based wrap policy."""
+    model = nn.Sequential(nn.MultiheadAttention(32, 4), nn.Linear(32, 32))
+    assert _names(model, 100) == ["0", "1"]  # out_proj alone (1056 parameters) would have qualified

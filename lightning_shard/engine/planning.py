@@ -10,6 +10,7 @@ unit's forward encloses every use, so the weight is gathered wherever it is need
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -102,7 +103,17 @@ def _lowest_common_unit(unit_ids: list[int], parents: dict[int, int | None]) -> 
     return common[0]
 
 
+def initializer(module: nn.Module) -> Callable[[], None] | None:
+    """What initialises ``module``'s own parameters: its ``reset_parameters()``, or for ``nn.MultiheadAttention``,
+    which only has a private one, ``_reset_parameters()``; ``None`` when it has none (e.g. transformers'
+    ``Conv1D``)."""
+    method = getattr(module, "reset_parameters", None)
+    if method is None and isinstance(module, nn.MultiheadAttention):
+        method = getattr(module, "_reset_parameters", None)
+    return method if callable(method) else None
+
+
 def without_reset_parameters(module: nn.Module) -> bool:
-    """Whether ``module`` cannot initialise its own parameters (no ``reset_parameters()``, e.g. transformers'
-    ``Conv1D``): its meta-device parameters stay uninitialised until weights are loaded."""
-    return not callable(getattr(module, "reset_parameters", None))
+    """Whether ``module`` cannot initialise its own parameters (see ``initializer``): its meta-device parameters
+    stay uninitialised until weights are loaded."""
+    return initializer(module) is None

@@ -209,14 +209,23 @@ def _is_callable_module(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+# Modules that use their children's weights without calling the children (nn.MultiheadAttention reads
+# out_proj.weight in its functional forward): a child of one made a unit would never be gathered, so the size
+# policy counts their children as their own, as PyTorch's size-based wrap policy does.
+_READS_CHILDREN_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
 def _select_by_size(root: nn.Module, min_num_params: int) -> list[tuple[str, nn.Module]]:
     selected: list[tuple[str, nn.Module]] = []
 
     def visit(module: nn.Module, name: str) -> int:
         """Parameters under ``module`` not yet claimed by a selected descendant."""
-        remaining = sum(p.numel() for p in module.parameters(recurse=False))
-        for child_name, child in module.named_children():
-            remaining += visit(child, f"{name}.{child_name}" if name else child_name)
+        if isinstance(module, _READS_CHILDREN_WEIGHTS):
+            remaining = sum(p.numel() for p in module.parameters())
+        else:
+            remaining = sum(p.numel() for p in module.parameters(recurse=False))
+            for child_name, child in module.named_children():
+                remaining += visit(child, f"{name}.{child_name}" if name else child_name)
         if module is not root and remaining >= min_num_params and _is_callable_module(module):
             selected.append((name, module))
             return 0

@@ -152,7 +152,10 @@ class ShardedModule:
             deferred.reshard()
 
     def start_forward_pass(self) -> None:
-        """Called when the root's forward starts: the order recorded last time becomes the prefetch order."""
+        """Called when the root's forward starts: ``requires_grad`` changes are taken over (see [Note: requires_grad
+        changed after sharding]), and the order recorded last time becomes the prefetch order."""
+        for unit in self.units:
+            unit.follow_requires_grad()
         if self._recording:
             self._forward_order, self._recording = self._recording, []
             self._position = {id(u): i for i, u in enumerate(self._forward_order)}
@@ -374,8 +377,10 @@ def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | Non
     if output_dtype is not None:
         root_unit.module.register_forward_hook(outside_compiled_code(_cast_floating(output_dtype)))
     owners = {id(m): m for p in root_unit.params for m, _ in p.owners if m is not root_unit.module}
+    gather_root, free_root = _gather_root_if_needed(engine)
     for module in owners.values():
-        module.register_forward_pre_hook(outside_compiled_code(_gather_root_if_needed(engine)))
+        module.register_forward_pre_hook(outside_compiled_code(gather_root))
+        module.register_forward_hook(outside_compiled_code(free_root))
 
 
 def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | None):  # noqa: ANN202
@@ -417,13 +422,27 @@ def _cast_floating(dtype: torch.dtype):  # noqa: ANN202
 
 
 def _gather_root_if_needed(engine: ShardedModule):  # noqa: ANN202
+    """The hooks of a module that holds root-unit parameters, called outside the root's forward (a submodule or a
+    method such as ``generate`` that skips ``forward``): gather the root unit before it runs. With gradients, the
+    root stays gathered for the backward, which reduces and frees it. Without, it is freed again when the module
+    that gathered it returns, as a unit's weights are after a forward without gradients: a later call, after an
+    optimizer step or a checkpoint load, gathers the current weights instead of reusing old ones."""
     root_unit = engine.root_unit
+    gathered_by: list[nn.Module] = []  # the module whose call gathered the root without gradients (at most one)
 
-    def hook(module: nn.Module, args: tuple) -> None:
+    def gather(module: nn.Module, args: tuple) -> None:
         if root_unit.is_sharded:
             engine.check_initialized()
             root_unit.unshard()
             if torch.is_grad_enabled():
                 root_unit.expect_backward()
+            else:
+                gathered_by.append(module)
 
-    return hook
+    def free(module: nn.Module, args: tuple, output: Any) -> None:
+        if gathered_by and gathered_by[-1] is module:
+            gathered_by.pop()
+            if root_unit.backward_state is BackwardState.IDLE and root_unit._forward_depth == 0:
+                root_unit.reshard()
+
+    return gather, free

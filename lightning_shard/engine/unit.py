@@ -36,6 +36,18 @@ Gradients accumulate on the unsharded faces; the post-backward (a node on the fo
 or the engine's end-of-backward callback for units whose inputs need no gradient) reduce-scatters
 them in one collective (in the reduce dtype) and adds this rank's rows to the sharded faces'
 ``.grad``, in the parameters' dtype.
+
+[Note: requires_grad changed after sharding]
+Users freeze and unfreeze parameters during training (Lightning's ``BaseFinetuning`` callbacks,
+``requires_grad_()`` in a hook), on the parameters they see: the sharded faces. The unsharded faces
+that forward computes with, the gradient hooks, and the reduction's layout (which parameters it
+carries, at which offsets) follow the sharded faces' flags at the start of every root forward
+(``follow_requires_grad``), before anything is gathered, as DDP's reducer rebuilds its buckets: a
+unit whose flags changed recomputes its trainable list and gradient offsets and lets go of its
+gradient memory, whose layout no longer fits (gradients still referencing it stay valid, and are
+added to by the next reduction as before). Changing flags while a unit holds gradients not yet
+reduced (inside a ``grad_sync="step"`` accumulation window) is refused: those gradients are laid
+out for the old flags. Every rank must change the same flags, as with DDP.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ from lightning_shard.engine.autograd_nodes import ReachedByBackward, RegisterPos
 from lightning_shard.engine.buffer_pool import BufferPool
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.engine.planning import initializer
 from lightning_shard.engine.progress import about_unit
 from lightning_shard.engine.reduction import start_reduction
 
@@ -119,11 +132,12 @@ class ShardUnit:
             self.flat_unsharded = torch.empty(self.gather_bytes * mesh.shard_size, dtype=torch.uint8, device=device)
         else:
             self.flat_unsharded = self.flat_sharded.view(torch.uint8)
+        self._hooked: set[int] = set()  # ids of the parameters whose unsharded face has the gradient hook
         for p in self.params:
             p.bind_sharded(self.flat_sharded)
             p.bind_unsharded(self.flat_unsharded)
             if p.requires_grad:
-                p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                self._hook_gradient(p)
         # Each parameter's full bytes in the unsharded buffer (views stay valid while its storage is freed).
         self._regions = [p.unsharded_region(self.flat_unsharded) for p in self.params]
         # The point-to-point gather's pieces (params with bytes to gather): where they land, and what this rank
@@ -179,6 +193,33 @@ class ShardUnit:
             else:
                 end = p.sharded_offset + p.padded_shard_numel
                 self._cast_runs.append((p.gather_dtype, p.sharded_offset, end, p.gather_offset))
+
+    def _hook_gradient(self, p: ShardedParam) -> None:
+        if id(p) not in self._hooked:
+            p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+            self._hooked.add(id(p))
+
+    def follow_requires_grad(self) -> None:
+        """Take over ``requires_grad`` changes made on the sharded faces since the last forward (see [Note:
+        requires_grad changed after sharding])."""
+        changed = [p for p in self.params if p.sharded.requires_grad != p.requires_grad]
+        if not changed:
+            return
+        if self.backward_state is not BackwardState.IDLE:
+            names = ", ".join(p.fqn for p in changed)
+            raise RuntimeError(
+                f"requires_grad of {names} changed while unit {self.name or '<root>'!r} holds gradients that are not"
+                " reduced yet (inside a grad_sync='step' accumulation window). Change requires_grad after the"
+                " optimizer step that ends the window."
+            )
+        for p in changed:
+            p.requires_grad = p.sharded.requires_grad
+            p.unsharded.requires_grad_(p.requires_grad)
+            if p.requires_grad:
+                self._hook_gradient(p)
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self._layout()
+        self.sharded_grads, self._grad_views = None, []  # laid out for the old flags; allocated again when needed
 
     @property
     def gathers(self) -> bool:
@@ -414,7 +455,9 @@ class ShardUnit:
                 for name, buf in m._buffers.items():
                     if buf is not None and buf.is_meta:
                         m._buffers[name] = torch.empty_like(buf, device=device)
-                m.reset_parameters()  # type: ignore[operator]
+                init = initializer(m)
+                assert init is not None  # only modules with an initializer are passed
+                init()
             for p in self.params:
                 p.copy_rows_from_full(_from_rank0(p.unsharded.data, device))
                 p.unsharded = originals[id(p)]
