@@ -20,9 +20,11 @@ def to_json_tree(obj: Any, tensors: dict[str, Tensor], path: str = "") -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, Tensor):
-        key = path or "value"
+        key = _unique_key(tensors, path or "value")
         tensors[key] = obj.detach().cpu().clone()  # own storage: safetensors refuses shared memory
         return {"__tensor__": key}
+    if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
+        return _ndarray_to_json(obj, tensors, path)
     if isinstance(obj, torch.dtype):
         return {"__dtype__": dtype_name(obj)}
     if isinstance(obj, Path):
@@ -35,8 +37,8 @@ def to_json_tree(obj: Any, tensors: dict[str, Tensor], path: str = "") -> Any:
             return {k: to_json_tree(v, tensors, f"{path}/{k}") for k, v in obj.items()}
         return {"__items__": [[to_json_tree(k, tensors, f"{path}/key{i}"), to_json_tree(v, tensors, f"{path}/{i}")]
                               for i, (k, v) in enumerate(obj.items())]}
-    if hasattr(obj, "item") and hasattr(obj, "dtype"):  # numpy scalars
-        return obj.item()
+    if type(obj).__module__ == "numpy" and hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:
+        return obj.item()  # a numpy scalar (np.float64(0.5), np.int64(3)) comes back as the Python number
     raise CheckpointError(
         f"The checkpoint value at {path or '/'} is a {type(obj).__name__}, which cannot be stored without pickle."
         f" Store plain values (numbers, strings, lists, dicts, tensors) in hyperparameters and callback states."
@@ -51,6 +53,8 @@ def from_json_tree(obj: Any, tensors: dict[str, Tensor]) -> Any:
         return obj
     if "__tensor__" in obj:
         return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return _ndarray_from_json(obj, tensors)
     if "__dtype__" in obj:
         return dtype_from_name(obj["__dtype__"])
     if "__path__" in obj:
@@ -64,3 +68,44 @@ def from_json_tree(obj: Any, tensors: dict[str, Tensor]) -> Any:
 
 def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
+
+
+def _unique_key(tensors: dict[str, Tensor], key: str) -> str:
+    """``key``, or ``key#1``, ``key#2``...: the first one not taken. Paths join dict keys with "/", so the values
+    under ``{"a/b": ...}`` and ``{"a": {"b": ...}}`` would otherwise share a name; the JSON names each tensor's
+    key, whatever it is."""
+    unique, n = key, 0
+    while unique in tensors:
+        n += 1
+        unique = f"{key}#{n}"
+    return unique
+
+
+# numpy arrays are stored as tensors of a dtype safetensors has (the unsigned types above uint8 widened to the next
+# signed one that holds every value) and cast back to their own dtype when read.
+_NDARRAY_STORED_AS = {
+    "float64": "float64", "float32": "float32", "float16": "float16", "int64": "int64", "int32": "int32",
+    "int16": "int16", "int8": "int8", "uint8": "uint8", "bool": "bool", "uint16": "int32", "uint32": "int64",
+}
+
+
+def _ndarray_to_json(array: Any, tensors: dict[str, Tensor], path: str) -> dict[str, str]:
+    """A numpy array (``np.random.get_state()``'s key, a metric's buffer) as a tensor plus its dtype's name."""
+    import numpy as np
+
+    dtype = array.dtype.name
+    if dtype not in _NDARRAY_STORED_AS:
+        raise CheckpointError(
+            f"The checkpoint value at {path or '/'} is a numpy array of dtype {dtype}, which cannot be stored without"
+            f" pickle. Numeric arrays of dtype {', '.join(_NDARRAY_STORED_AS)} can; convert it to one of them."
+        )
+    key = _unique_key(tensors, path or "value")
+    tensors[key] = torch.from_numpy(np.array(array, dtype=_NDARRAY_STORED_AS[dtype], order="C", copy=True))
+    return {"__ndarray__": key, "dtype": dtype}
+
+
+def _ndarray_from_json(obj: dict[str, Any], tensors: dict[str, Tensor]) -> Any:
+    dtype = obj.get("dtype")
+    if dtype not in _NDARRAY_STORED_AS:
+        raise CheckpointError(f"The trainer state holds a numpy array of unknown dtype {dtype!r}.")
+    return tensors[obj["__ndarray__"]].numpy().astype(dtype)
