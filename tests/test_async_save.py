@@ -188,6 +188,16 @@ def test_fabric_async_save_must_be_a_bool() -> None:
         FabricShardStrategy(async_save="yes")  # type: ignore[arg-type]
 
 
+def test_fabric_async_save_with_the_full_layout_is_refused_when_the_strategy_is_built() -> None:
+    """Refused before any training is spent, as the Trainer refuses AsyncCheckpointIO with it at set-up."""
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    with pytest.raises(ValueError, match="async_save=True writes the sharded layout in the background"):
+        FabricShardStrategy(async_save=True, state_dict_type="full")
+    FabricShardStrategy(async_save=False, state_dict_type="full")
+    FabricShardStrategy(async_save=True, state_dict_type="sharded")
+
+
 def _run_exit_script(*args: str) -> subprocess.CompletedProcess:
     script = Path(__file__).parent / "scripts" / "fabric_async_exit.py"
     return subprocess.run(
