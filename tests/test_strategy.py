@@ -89,3 +89,20 @@ def test_registered_names(name: str, expected: str) -> None:
     trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ShardStrategy)
     assert trainer.strategy.sharding_strategy is ShardingStrategy[expected]
+
+
+def fit_with_swa(rank: int, world_size: int) -> str:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from tests.fits import trainer_for
+    from tests.models import lit_model, loader
+
+    trainer = trainer_for(ShardStrategy(), world_size, 2, callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
+    with pytest.raises(ValueError) as raised:
+        trainer.fit(lit_model("gpt"), train_dataloaders=loader("gpt"))
+    return str(raised.value)
+
+
+def test_stochastic_weight_averaging_is_refused_on_every_rank_before_training() -> None:
+    for message in run_on_ranks(fit_with_swa, 2):
+        assert message.startswith("StochasticWeightAveraging does not work with ShardStrategy"), message

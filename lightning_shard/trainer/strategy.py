@@ -214,6 +214,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        refuse_unsupported_callbacks(getattr(trainer, "callbacks", []))
         if saves_in_background(self._checkpoint_io) and self.options.state_dict_type is not StateDictType.SHARDED:
             raise ValueError(
                 "AsyncCheckpointIO saves the sharded layout in the background; state_dict_type='full' gathers every"
@@ -439,3 +440,18 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         cls._registered_strategies.extend(register_shard_strategies(strategy_registry, cls))
+
+
+def refuse_unsupported_callbacks(callbacks: Iterable[Any]) -> None:
+    """Refuse, on every rank and before anything is sharded, the callbacks that need the model's parameters in full:
+    ``StochasticWeightAveraging`` keeps a replicated averaged copy built from the parameters it finds, which under
+    ShardStrategy are this rank's shards (Lightning refuses it for its own sharded strategies too)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if any(isinstance(callback, StochasticWeightAveraging) for callback in callbacks):
+        raise ValueError(
+            "StochasticWeightAveraging does not work with ShardStrategy: it averages a copy of the model's"
+            " parameters, which are this rank's shards. Remove the callback; to average weights, keep the running"
+            " average of the parameters yourself (e.g. in on_train_batch_end: it is sharded like they are) and"
+            " swap it in before evaluating."
+        )
