@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def test_sigterm_to_one_rank_saves_last_on_every_rank_and_resume_trains_the_rema
     assert fit.returncode == 128 + signal.SIGTERM, report
     for rank in (0, 1):
         assert f"rank {rank} preempted: saved {last}, exit status 143 at step" in out, report
-    saved_step = int(out.split("rank 0 preempted")[1].split("at step ")[1].split()[0])
+    saved_step = int(re.search(r"rank 0 preempted: .*? at step (\d+)", out).group(1))  # type: ignore[union-attr]
     assert 0 < saved_step < MAX_STEPS, report
     assert (last / "index.json").is_file() and not [p for p in last.parent.iterdir() if p.name.startswith(".")]
 

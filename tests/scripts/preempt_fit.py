@@ -111,4 +111,6 @@ if __name__ == "__main__":
     finally:
         losses = args.root / f"losses-{trainer.global_rank}{'-resumed' if args.resume else ''}.json"
         losses.write_text(json.dumps(model.step_losses))
-        print(f"rank {trainer.global_rank} {status} at step {trainer.global_step}", flush=True)
+        # One write per line: the ranks share stdout, and print() writes the text and its newline separately.
+        sys.stdout.write(f"rank {trainer.global_rank} {status} at step {trainer.global_step}\n")
+        sys.stdout.flush()
