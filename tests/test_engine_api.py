@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -132,3 +133,41 @@ def test_a_root_submodule_called_without_gradients_sees_the_weights_of_the_momen
         torch.testing.assert_close(run["before"], run["ref_before"])
         torch.testing.assert_close(run["after"], run["ref_after"])
         assert not torch.equal(run["after"], run["before"])
+
+
+def load_full_state_dict(rank: int, world_size: int) -> dict[str, Any]:
+    """``load_state_dict`` of full tensors into the sharded model, after a step (the root gathered and freed); then
+    its own (sharded) state dict back into it; then a load between forward and backward."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    x, y = _batch(rank)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    torch.manual_seed(1)
+    other = TinyGPT()  # other weights, in full
+    result = model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        after_full = model(x)
+    own = {k: v.clone() for k, v in model.state_dict().items()}  # this rank's shards
+    model.load_state_dict(own)
+    with torch.no_grad():
+        after_own = model(x)
+    loss = model(x).sum()
+    with pytest.raises(RuntimeError) as raised:
+        model.load_state_dict(other.state_dict())
+    loss.backward()
+    return {
+        "full": module_full_state(model, [])["params"], "expected": dict(other.named_parameters()),
+        "output": after_full, "expected_output": other(x).detach(), "own_output": after_own,
+        "missing": result.missing_keys, "unexpected": result.unexpected_keys, "between": str(raised.value),
+    }
+
+
+def test_load_state_dict_takes_full_tensors_and_its_own_shards() -> None:
+    for run in run_on_ranks(load_full_state_dict, 2):
+        assert run["missing"] == [] and run["unexpected"] == []
+        for name, expected in run["expected"].items():
+            torch.testing.assert_close(run["full"][name], expected.detach(), msg=name)
+        torch.testing.assert_close(run["output"], run["expected_output"])
+        torch.testing.assert_close(run["own_output"], run["expected_output"])
+        assert "between a forward and its backward" in run["between"]

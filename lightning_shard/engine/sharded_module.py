@@ -357,7 +357,42 @@ def shard_module(
     engine.uninitialized = uninitialized
     engine.param_init = param_init
     _register_hooks(engine, mixed_precision)
+    root.register_load_state_dict_pre_hook(_rows_of_full_tensors(engine))
     return engine
+
+
+def _rows_of_full_tensors(engine: ShardedModule):  # noqa: ANN202
+    """A ``load_state_dict`` pre-hook of the sharded root: a state dict of full tensors (a plain model's, a
+    consolidated checkpoint's) loads as it would into the unsharded model, each rank taking its rows of every sharded
+    parameter. Tensors of this rank's shard shapes (the sharded model's own ``state_dict()``) load as they are.
+
+    [Note: load_state_dict with full tensors]
+    A sharded model's parameters are this rank's rows, so torch's own ``load_state_dict`` would refuse full tensors
+    with a size mismatch; users coming from DDP or FSDP1's full state dict load them this way. Before torch copies,
+    each full tensor (global shape, different from the shard's) is replaced by the view of this rank's rows, and the
+    units are resharded first, so that the modules hold the sharded faces that the rows are copied into. A unit
+    waiting for its backward cannot be resharded: loading between a forward and its backward is refused.
+    Parameters loaded this way count as initialised (see [Note: parameters nothing initialises])."""
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if any(unit.backward_state is not BackwardState.IDLE for unit in engine.units):
+            raise RuntimeError(
+                "load_state_dict() was called between a forward and its backward: the weights that backward needs"
+                " would change under it. Load before the forward, or after the backward and the optimizer step."
+            )
+        engine.reshard_all()
+        loaded = []
+        for p in engine.sharded_params():
+            for fqn in p.fqns:
+                value = state_dict.get(prefix + fqn)
+                if isinstance(value, Tensor) and value.shape == p.global_shape != p.sharded.shape:
+                    first, count = p.rows_held_by(p.shard_rank)
+                    state_dict[prefix + fqn] = value.reshape(p.rows, *p.row_shape)[first : first + count]
+                if isinstance(value, Tensor):
+                    loaded.append(fqn)
+        engine.mark_initialized(loaded)
+
+    return hook
 
 
 def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | None) -> None:
