@@ -121,6 +121,23 @@ def test_a_checkpoint_io_plugin_that_would_be_ignored_is_refused_on_every_rank(t
         assert "the CheckpointIO plugin Elsewhere would not be used" in message
 
 
+def full_layout_in_background(rank: int, world_size: int) -> str:
+    try:
+        L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=ShardStrategy(state_dict_type="full"), max_steps=1,
+            logger=False, enable_progress_bar=False, enable_model_summary=False, plugins=[AsyncCheckpointIO()],
+        ).fit(LitModel("gpt"), DataLoader(make_dataset("gpt"), batch_size=6))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_async_checkpoint_io_with_the_full_layout_is_refused_on_every_rank_at_set_up() -> None:
+    for message in run_on_ranks(full_layout_in_background, 2):
+        assert message.startswith("AsyncCheckpointIO saves the sharded layout in the background"), message
+        assert message.endswith("Use state_dict_type='sharded' or remove AsyncCheckpointIO."), message
+
+
 # Fabric: ShardStrategy(async_save=True) #
 
 
@@ -192,7 +209,7 @@ def test_fabric_async_save_with_the_full_layout_is_refused_when_the_strategy_is_
     """Refused before any training is spent, as the Trainer refuses AsyncCheckpointIO with it at set-up."""
     from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
 
-    with pytest.raises(ValueError, match="async_save=True writes the sharded layout in the background"):
+    with pytest.raises(ValueError, match="async_save=True saves the sharded layout in the background"):
         FabricShardStrategy(async_save=True, state_dict_type="full")
     FabricShardStrategy(async_save=False, state_dict_type="full")
     FabricShardStrategy(async_save=True, state_dict_type="sharded")

@@ -26,9 +26,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.save import PreparedSave, StateDictType, _ShardedWriter, prepare_save
 from lightning_shard.engine.sharded_module import ShardedModule
+
+
+def refuse_full_layout_in_background(layout: StateDictType, switch: str, instead: str) -> None:
+    """Refuse background saves (``switch``: the setting that asked for them) of the full layout, which gathers every
+    tensor on the training's process group; ``instead``: how to save in the foreground."""
+    if layout is not StateDictType.SHARDED:
+        raise ValueError(
+            f"{switch} saves the sharded layout in the background; state_dict_type='full' gathers every tensor on the"
+            f" training's process group. Use state_dict_type='sharded' or {instead}."
+        )
 
 
 class BackgroundSaver:
@@ -54,12 +63,7 @@ class BackgroundSaver:
     ) -> None:
         """Start writing ``checkpoint`` at ``path`` in the background, after the previous save has finished (whose
         failure, if any, is raised here on every rank). Collective: every rank must call it."""
-        if layout is not StateDictType.SHARDED:
-            raise CheckpointError(
-                "Background saves (AsyncCheckpointIO) write the sharded layout only: the full layout gathers every"
-                " tensor on the training's process group. Use ShardStrategy(state_dict_type='sharded') or remove"
-                " the AsyncCheckpointIO plugin."
-            )
+        assert layout is StateDictType.SHARDED, "refused when the strategy is set up: refuse_full_layout_in_background"
         self.wait()
         if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # collective: every rank creates it at its first save

@@ -375,7 +375,7 @@ def _rows_of_full_tensors(engine: ShardedModule):  # noqa: ANN202
     Parameters loaded this way count as initialised (see [Note: parameters nothing initialises])."""
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        if any(unit.backward_state is not BackwardState.IDLE for unit in engine.units):
+        if any(unit.backward_state is BackwardState.PENDING for unit in engine.units):
             raise RuntimeError(
                 "load_state_dict() was called between a forward and its backward: the weights that backward needs"
                 " would change under it. Load before the forward, or after the backward and the optimizer step."
@@ -463,20 +463,22 @@ def _gather_root_if_needed(engine: ShardedModule):  # noqa: ANN202
     that gathered it returns, as a unit's weights are after a forward without gradients: a later call, after an
     optimizer step or a checkpoint load, gathers the current weights instead of reusing old ones."""
     root_unit = engine.root_unit
-    gathered_by: list[nn.Module] = []  # the module whose call gathered the root without gradients (at most one)
+    gathered_by: nn.Module | None = None  # the module whose call gathered the root without gradients
 
     def gather(module: nn.Module, args: tuple) -> None:
+        nonlocal gathered_by
         if root_unit.is_sharded:
             engine.check_initialized()
             root_unit.unshard()
             if torch.is_grad_enabled():
                 root_unit.expect_backward()
             else:
-                gathered_by.append(module)
+                gathered_by = module
 
     def free(module: nn.Module, args: tuple, output: Any) -> None:
-        if gathered_by and gathered_by[-1] is module:
-            gathered_by.pop()
+        nonlocal gathered_by
+        if gathered_by is module:
+            gathered_by = None
             if root_unit.backward_state is BackwardState.IDLE and root_unit._forward_depth == 0:
                 root_unit.reshard()
 

@@ -31,8 +31,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.checkpoint.background import BackgroundSaver
-from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.checkpoint.background import BackgroundSaver, refuse_full_layout_in_background
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.precision import translate_precision
@@ -122,11 +121,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         )
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")
-        if async_save and self.options.state_dict_type is not StateDictType.SHARDED:
-            raise ValueError(
-                "async_save=True writes the sharded layout in the background; state_dict_type='full' gathers every"
-                " tensor on the training's process group. Use state_dict_type='sharded' or async_save=False."
-            )
+        if async_save:
+            refuse_full_layout_in_background(self.options.state_dict_type, "async_save=True", "async_save=False")
         self._async_save = async_save
         self._saver = BackgroundSaver()
         self._num_nodes = 1

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.checkpoint.background import BackgroundSaver
-from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
+from lightning_shard.checkpoint.background import BackgroundSaver, refuse_full_layout_in_background
+from lightning_shard.checkpoint.save import save_checkpoint_dir
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
@@ -215,11 +215,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         refuse_unsupported_callbacks(getattr(trainer, "callbacks", []))
-        if saves_in_background(self._checkpoint_io) and self.options.state_dict_type is not StateDictType.SHARDED:
-            raise ValueError(
-                "AsyncCheckpointIO saves the sharded layout in the background; state_dict_type='full' gathers every"
-                " tensor on the training's process group. Use state_dict_type='sharded' or remove AsyncCheckpointIO."
-            )
+        if saves_in_background(self._checkpoint_io):
+            layout = self.options.state_dict_type
+            refuse_full_layout_in_background(layout, "AsyncCheckpointIO", "remove AsyncCheckpointIO")
         self.accelerator.setup(trainer)
         self.precision_plugin.set_device(self.root_device.type)
         self.precision_plugin.clip_norm_fn = self._clip_optimizer_grad_norm
