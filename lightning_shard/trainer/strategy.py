@@ -55,6 +55,7 @@ from lightning_shard.trainer.checkpoints import (
 )
 from lightning_shard.trainer.precision import ShardPrecision, as_shard_precision
 from lightning_shard.trainer.preemption import attach_preemption, detach_preemption
+from lightning_shard.trainer.summary import use_full_counts
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -225,6 +226,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model = self._setup_model(self.model)
+        use_full_counts(getattr(trainer, "callbacks", []))  # the model summary counts parameters in full
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
