@@ -51,7 +51,7 @@ def load_from_checkpoint(
     module.on_load_checkpoint(state)  # as Lightning does, before the weights (state has no "state_dict")
     meta = {k for k, t in module.state_dict(keep_vars=True).items() if t.is_meta}
     if meta:
-        module.to_empty(device=device)
+        _to_empty_keeping_ties(module, device)
     stored = dict(iter_index_tensors(index, MODEL_PREFIX))
     ties = model_ties(index)
     available = set(stored) | set(ties)
@@ -85,6 +85,20 @@ def load_from_checkpoint(
             del value
     module.to(device)
     return module.eval()
+
+
+def _to_empty_keeping_ties(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=device)``, with every parameter that several modules share (tied embeddings and
+    LM head) still one parameter afterwards: ``to_empty`` makes a new parameter per module that holds it."""
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((owner, name))
+    module.to_empty(device=device)
+    for (first, first_name), *others in holders.values():
+        for owner, name in others:
+            owner._parameters[name] = first._parameters[first_name]
 
 
 def _device(map_location: MapLocation) -> torch.device:

@@ -54,6 +54,13 @@ def test_meta_configure_model_is_materialised_and_filled() -> None:
     torch.testing.assert_close(logits_of(module), logits)
 
 
+def test_meta_configure_model_keeps_its_tied_weights_tied() -> None:
+    ckpt, _ = trained()
+    module = lightning_shard.load_from_checkpoint(MetaGPT2, ckpt)
+    assert module.model.lm_head.weight is module.model.transformer.wte.weight  # fine-tuning updates one tensor
+    assert len(list(module.parameters())) == len(list(LitGPT2(n_embd=32).parameters()))
+
+
 class MetaWithExtra(MetaGPT2):
     def configure_model(self) -> None:
         super().configure_model()
