@@ -23,9 +23,9 @@ def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def step_against_ddp(rank: int, world_size: int) -> None:
+def step_against_ddp(rank: int, world_size: int, dtype: torch.dtype = torch.float32) -> None:
     torch.manual_seed(0)
-    reference, model = TinyGPT(), TinyGPT()
+    reference, model = TinyGPT().to(dtype), TinyGPT().to(dtype)
     model.load_state_dict(reference.state_dict())
     x, y = _batch(rank)
     ref_loss = F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
@@ -51,6 +51,10 @@ def step_against_ddp(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shard_model_trains_a_step_as_ddp_with_the_global_norm(world_size: int) -> None:
     run_on_ranks(step_against_ddp, world_size)
+
+
+def test_a_float64_model_is_clipped_by_its_norm_in_float64() -> None:
+    run_on_ranks(step_against_ddp, 2, torch.float64)  # float64's default tolerances: a float32 norm fails them
 
 
 def train_and_save(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:

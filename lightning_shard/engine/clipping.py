@@ -28,8 +28,9 @@ def clip_grad_norm_(
 
 def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.device, norm_type: float = 2.0) -> Tensor:
     """The norm of the gradients of ``shards`` over every rank's rows (one all-reduce; the same on every rank)."""
+    shards = list(shards)
     grads = [p.grad for p in shards if p.grad is not None]
-    total = _local_norm_term(grads, norm_type, device)
+    total = _local_norm_term(grads, norm_type, device, _norm_dtype(shards))
     if mesh.shard_group is not None:
         if math.isinf(norm_type):
             collectives.all_reduce_max(total, mesh.shard_group)
@@ -40,18 +41,32 @@ def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.de
 
 def clip_grads_with_norm_(shards: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:
     """Scale the gradients of ``shards`` by ``max_norm / total_norm`` where that is below one (no communication)."""
-    grads = [p.grad for p in shards if p.grad is not None]
-    if grads:
-        clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, clip_coef.to(grads[0].device))  # gradients may live in CPU memory (offload)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for p in shards:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for dtype, grads in by_dtype.items():  # gradients may live in CPU memory (offload)
+        torch._foreach_mul_(grads, clip_coef.to(device=grads[0].device, dtype=dtype))
 
 
-def _local_norm_term(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
+def _norm_dtype(shards: list[Tensor]) -> torch.dtype:
+    """The dtype the norm is computed and returned in: the widest floating dtype of the parameters, at least
+    float32 (a float64 model gets a float64 norm, as ``torch.nn.utils.clip_grad_norm_`` gives it). It depends on the
+    parameters, not on which have gradients, so every rank all-reduces the same dtype."""
+    dtype = torch.float32
+    for p in shards:
+        if p.dtype.is_floating_point:
+            dtype = torch.promote_types(dtype, p.dtype)
+    return dtype
+
+
+def _local_norm_term(grads: list[Tensor], norm_type: float, device: torch.device, dtype: torch.dtype) -> Tensor:
     """This rank's contribution: the max of |g| for the inf-norm, else the sum of per-tensor norms ** p."""
     grads = [g for g in grads if g.numel() > 0]  # a rank may hold no rows of a parameter: an empty max is undefined
     if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)]).to(device)
+        return torch.zeros((), dtype=dtype, device=device)
+    norms = torch.stack([n.to(dtype) for n in torch._foreach_norm(grads, norm_type)]).to(device)
     if math.isinf(norm_type):
         return norms.max()
     return norms.pow(norm_type).sum()
