@@ -44,6 +44,13 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def graph_breaks() -> int:
+    """Graph breaks dynamo has made in this process since ``_fresh_dynamo()``."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
 class CompiledGPT(LitModel):
     """The Trainer tests' GPT, compiled in ``configure_model`` as ``run.compiled`` says (``nn.Module.compile``)."""
 
@@ -88,7 +95,7 @@ def trainer_compiled_fit(rank: int, world_size: int, run: CompileRun) -> dict[st
     checkpointed = sum(getattr(m, "_lightning_shard_checkpointed", False) for m in blocks)
     return {
         "losses": module.losses, "graphs": graphs.graphs, "params": full_params_shard(strategy),
-        "blocks": len(blocks), "checkpointed": checkpointed,
+        "blocks": len(blocks), "checkpointed": checkpointed, "graph_breaks": graph_breaks(),
     }
 
 

@@ -139,6 +139,52 @@ def test_a_root_submodule_called_without_gradients_sees_the_weights_of_the_momen
         assert not torch.equal(run["after"], run["before"])
 
 
+def inner_modules_called_on_their_own(rank: int, world_size: int) -> dict[str, Any]:
+    """Modules inside a block unit (``blocks[0].fc``, ``blocks[1].out``) called outside the block's forward: without
+    gradients between the steps, and with gradients as the whole loss of a training step of their own."""
+    torch.manual_seed(0)
+    reference, model = TinyGPT(), TinyGPT()
+    model.load_state_dict(reference.state_dict())
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    probe = torch.linspace(-1.0, 1.0, 16 * 3).view(3, 16) + rank  # each rank's own input
+    outputs: dict[str, Any] = {}
+    for name, net in (("ours", model), ("ref", reference)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        x, y = _batch(rank)
+        F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+        with torch.no_grad():
+            between = net.blocks[0].fc(probe)  # after backward, before the step
+        _average_by_hand(net, world_size, mine=net is model)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            after = net.blocks[0].fc(probe)
+        net.blocks[1].out(torch.cat([probe] * 4, 1)).square().mean().backward()  # a step of blocks[1].out alone
+        _average_by_hand(net, world_size, mine=net is model)
+        optimizer.step()
+        outputs[name] = {"between": between, "after": after, "params": module_full_state(net, [])["params"]
+                         if net is model else {k: v.detach() for k, v in net.state_dict().items()}}
+    return outputs
+
+
+def _average_by_hand(net: torch.nn.Module, world_size: int, mine: bool) -> None:
+    if mine:  # the sharded model's gradients are averaged already
+        return
+    for p in net.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+
+
+def test_a_module_inside_a_unit_called_on_its_own_computes_and_trains_with_the_full_weights() -> None:
+    for run in run_on_ranks(inner_modules_called_on_their_own, 2):
+        ours, ref = run["ours"], run["ref"]
+        torch.testing.assert_close(ours["between"], ref["between"])
+        torch.testing.assert_close(ours["after"], ref["after"])
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(ours["params"][name], value, msg=name)
+
+
 def load_full_state_dict(rank: int, world_size: int) -> dict[str, Any]:
     """``load_state_dict`` of full tensors into the sharded model, after a step (the root gathered and freed); then
     its own (sharded) state dict back into it; then a load between forward and backward."""

@@ -23,6 +23,17 @@ the first pre-backward hook, which also reduces any unit whose inputs needed no 
 first block after a frozen embedding). Modules that hold root parameters also gather the root on
 their own if they are called outside the root's forward.
 
+[Note: a module inside a unit called on its own]
+A unit's weights are gathered by the unit module's forward. A module inside it that holds some of its
+parameters (``model.blocks[0].mlp``, a ``Linear`` a user's method calls) may also be called on its own,
+outside that forward; it would then compute with this rank's rows. Its hooks make such a call a
+forward of the unit: when the unit is not gathered, the outermost such module runs the unit's own
+pre- and post-forward around its call (gather, the backward hooks under grad, the reshard), as if the
+unit module itself had been called. Inside the unit's forward (or a recompute in backward) the unit
+is gathered and the hooks do nothing. In compiled code they do nothing either
+(``torch.compiler.is_compiling()``), so a compiled block has no graph breaks at its submodules: a
+compiled block's submodules are only ever called inside its forward.
+
 [Note: prefetching and overlapped reductions]
 The engine records the order in which units run their forward (re-recorded every step, so a
 change of order is picked up at the next one). When a unit starts its forward it issues the next
@@ -416,6 +427,15 @@ def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | Non
     for module in owners.values():
         module.register_forward_pre_hook(outside_compiled_code(gather_root))
         module.register_forward_hook(outside_compiled_code(free_root))
+    unit_modules = {id(unit.module) for unit in engine.units}
+    for unit in engine.units[1:]:
+        inner = {id(m): m for p in unit.params for m, _ in p.owners if id(m) not in unit_modules}
+        if not inner:
+            continue
+        enter, leave = _unit_forward_for_inner_calls(unit)
+        for module in inner.values():
+            module.register_forward_pre_hook(enter, with_kwargs=True)
+            module.register_forward_hook(leave, with_kwargs=True)
 
 
 def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | None):  # noqa: ANN202
@@ -454,6 +474,28 @@ def _cast_floating(dtype: torch.dtype):  # noqa: ANN202
         return _cast_tree(output, dtype)
 
     return hook
+
+
+def _unit_forward_for_inner_calls(unit: ShardUnit):  # noqa: ANN202
+    """The hooks of a module inside ``unit`` that holds some of its parameters: see [Note: a module inside a unit
+    called on its own]. Traced by dynamo, they return at once in compiled code."""
+    entered_by: nn.Module | None = None  # the module whose call is running as the unit's forward
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        nonlocal entered_by
+        if torch.compiler.is_compiling() or unit.state is UnitState.UNSHARDED:
+            return None  # inside the unit's forward (or its recompute in backward): the weights are there
+        entered_by = module
+        return unit.pre_forward(module, args, kwargs)
+
+    def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        nonlocal entered_by
+        if torch.compiler.is_compiling() or entered_by is not module:
+            return None
+        entered_by = None
+        return unit.post_forward(module, args, kwargs, output)
+
+    return enter, leave
 
 
 def _gather_root_if_needed(engine: ShardedModule):  # noqa: ANN202
