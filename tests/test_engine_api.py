@@ -185,6 +185,60 @@ def test_a_module_inside_a_unit_called_on_its_own_computes_and_trains_with_the_f
             torch.testing.assert_close(ours["params"][name], value, msg=name)
 
 
+class LearnedScale(torch.nn.Module):
+    """A learnable 0-dim parameter (as CLIP's ``logit_scale``) beside a Linear: one rank holds its single row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+_SCALE_BATCH = torch.linspace(-1.0, 1.0, 12).view(4, 3)  # the same on every rank: any world size, the same gradient
+
+
+def _scale_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(_SCALE_BATCH).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save_with_a_scalar_parameter(rank: int, world_size: int, path: str, layout: str) -> dict[str, torch.Tensor]:
+    """Two Adam steps, save, and the step after the save: what a resumed run must reproduce."""
+    torch.manual_seed(0)
+    model = LearnedScale()
+    shard_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        _scale_step(model, optimizer)
+    save_checkpoint(path, model, [optimizer], layout=layout)
+    _scale_step(model, optimizer)
+    return module_full_state(model, [])["params"]
+
+
+def resume_with_a_scalar_parameter(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    model = LearnedScale()
+    shard_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    load_checkpoint(path, model, [optimizer])
+    _scale_step(model, optimizer)
+    return module_full_state(model, [])["params"]
+
+
+@pytest.mark.parametrize("layout", ["sharded", "full"])
+def test_a_0_dim_parameter_and_its_adam_state_resume_at_any_world_size(tmp_path: Path, layout: str) -> None:
+    path = str(tmp_path / "ckpt")
+    expected = run_on_ranks(save_with_a_scalar_parameter, 2, path, layout)[0]
+    for world_size in (1, 2, 3):
+        for resumed in run_on_ranks(resume_with_a_scalar_parameter, world_size, path):
+            for name, value in expected.items():
+                torch.testing.assert_close(resumed[name], value, msg=f"{name} at world size {world_size}")
+
+
 def load_full_state_dict(rank: int, world_size: int) -> dict[str, Any]:
     """``load_state_dict`` of full tensors into the sharded model, after a step (the root gathered and freed); then
     its own (sharded) state dict back into it; then a load between forward and backward."""

@@ -346,7 +346,8 @@ def read_rows(
     """Rows ``[start, stop)`` (dim 0) of the tensor ``entry`` describes, reading only the pieces that hold them.
 
     ``entry`` must have passed ``validate_tensors`` (``read_index`` does that). ``files`` keeps each file open
-    across calls; without it the files are opened for this call only. A 0-dim tensor is read whole. A piece
+    across calls; without it the files are opened for this call only. A 0-dim tensor is one row: read whole (shape
+    ``()``) unless ``[start, stop)`` is empty (then an empty 1-D tensor). A piece
     read entirely is checked against its CRC-32.
     """
     if files is None:
@@ -354,7 +355,9 @@ def read_rows(
             return read_rows(directory, entry, start, stop, own)
     shape = entry["shape"]
     dtype = dtype_from_name(entry["dtype"])
-    if not shape:
+    if not shape:  # one row: read whole when [start, stop) covers it, else no rows (a rank holding none)
+        if stop <= start:
+            return torch.empty(0, dtype=dtype)
         piece = entry["pieces"][0]
         return _checked(directory, piece, files.read(piece, 0, 1), whole=True).to(dtype)
     out = torch.empty(stop - start, *shape[1:], dtype=dtype)

@@ -232,6 +232,7 @@ def _optimizer_plan(engine: ShardedModule, optimizer: Optimizer, i: int) -> tupl
             )
         groups.append({"params": [names[j] for j in group["params"]], "options": options})
     values: dict[str, dict[str, Any]] = {}
+    row_states: dict[str, list[str]] = {}  # 0-dim parameters' states split by rows like them (see the format doc)
     tensors: list[Any] = []
     for j, param_state in state["state"].items():
         p = by_shard[id(params[j])]
@@ -240,9 +241,14 @@ def _optimizer_plan(engine: ShardedModule, optimizer: Optimizer, i: int) -> tupl
             if isinstance(value, Tensor):
                 sharded = value.dim() > 0 and value.shape == p.sharded.shape
                 tensors.append((name, p if sharded else None, value))
+                if sharded and not p.global_shape:
+                    row_states.setdefault(p.fqn, []).append(key)
             else:
                 values.setdefault(p.fqn, {})[key] = to_json_tree(value, {}, name)
-    return {"param_groups": groups, "values": values}, tensors
+    meta: dict[str, Any] = {"param_groups": groups, "values": values}
+    if row_states:
+        meta["scalar_param_states"] = row_states
+    return meta, tensors
 
 
 class _ShardedWriter(_Plan):
