@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("checkpoint_dir")
     x.add_argument("output_dir")
     x.add_argument("--format", choices=["hf"], default="hf", help="output layout (hf: sharded safetensors + index)")
-    x.add_argument("--prefix", default="", help="stripped from the keys (e.g. 'model.'); other keys are left out")
+    x.add_argument(
+        "--prefix", default="", help="the submodule whose keys are exported, without its name (e.g. 'model')"
+    )
     x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     x.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 200MB or bytes")
     x.add_argument("--config", default=None, help="a config.json to copy into OUTPUT_DIR")

@@ -167,6 +167,15 @@ def test_export_leaves_out_keys_without_the_prefix(tmp_path: Path) -> None:
         lightning_shard.export_hf(ckpt, tmp_path / "none", prefix="network.")
 
 
+def test_a_prefix_without_its_dot_names_the_same_submodule(tmp_path: Path) -> None:
+    ckpt, _ = trained()
+    with_dot = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "dot", prefix="model.").output_dir
+                             / "model.safetensors"))
+    without = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "bare", prefix="model").output_dir
+                            / "model.safetensors"))
+    assert without.keys() == with_dot.keys() and "transformer.wte.weight" in without  # not ".transformer.wte.weight"
+
+
 def test_export_refuses_a_non_empty_destination(tmp_path: Path) -> None:
     ckpt, _ = trained()
     out = tmp_path / "hf"

@@ -29,6 +29,7 @@ from lightning_shard.checkpoint.format import (
     iter_index_tensors,
     read_index,
     read_rows,
+    submodule_prefix,
 )
 from lightning_shard.checkpoint.writer import SafetensorsStreamWriter
 
@@ -58,18 +59,19 @@ def export_hf(
 ) -> ExportResult:
     """Write the model of ``checkpoint`` (not the optimizer) to ``output_dir`` in Hugging Face's layout.
 
-    ``prefix`` is stripped from the LightningModule's state_dict keys (``"model."`` when the module holds the
-    network as ``self.model``); keys without it are left out and listed in ``ExportResult.skipped``. Tied
-    weights are written once, under the name the checkpoint stores them (the first one registered, e.g.
-    ``transformer.wte.weight`` for GPT-2), which is the name transformers keeps. ``dtype`` (``"bfloat16"``,
-    ``"float16"``, ``"float32"``) casts floating-point tensors. ``config`` is a ``config.json`` copied in (with
-    ``dtype`` given, its ``dtype``/``torch_dtype`` entry says the new dtype, so ``from_pretrained`` with
-    ``dtype="auto"`` loads the weights as written).
+    ``prefix`` is stripped from the LightningModule's state_dict keys (``"model."`` or ``"model"`` when the module
+    holds the network as ``self.model``: a prefix names a submodule); keys without it are left out and listed in
+    ``ExportResult.skipped``. Tied weights are written once, under the name the checkpoint stores them (the first
+    one registered, e.g. ``transformer.wte.weight`` for GPT-2), which is the name transformers keeps. ``dtype``
+    (``"bfloat16"``, ``"float16"``, ``"float32"``) casts floating-point tensors. ``config`` is a ``config.json``
+    copied in (with ``dtype`` given, its ``dtype``/``torch_dtype`` entry says the new dtype, so ``from_pretrained``
+    with ``dtype="auto"`` loads the weights as written).
     A non-empty existing ``output_dir`` is refused unless ``overwrite``.
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
     directory, out = Path(checkpoint), Path(output_dir)
+    prefix = submodule_prefix(prefix)
     target_dtype = _export_dtype(dtype)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise CheckpointError(f"Export destination {out} exists and is not empty; pass overwrite=True (--overwrite).")

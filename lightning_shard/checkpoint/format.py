@@ -382,6 +382,12 @@ def _checked(directory: Path, piece: dict[str, Any], tensor: Tensor, whole: bool
     return tensor
 
 
+def submodule_prefix(prefix: str) -> str:
+    """A state_dict key prefix naming a submodule, ending with ``"."``: ``"model"`` and ``"model."`` both mean the
+    keys of ``self.model`` (never ``model_ema.*``, which a bare string prefix would also match)."""
+    return prefix if not prefix or prefix.endswith(".") else prefix + "."
+
+
 def iter_index_tensors(index: dict[str, Any], prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """The index's tensor entries whose keys start with ``prefix``, keyed without it."""
     for key, entry in index["tensors"].items():

@@ -35,6 +35,7 @@ from lightning_shard.checkpoint.format import (
     read_rows,
     read_safetensors_header,
     require_complete,
+    submodule_prefix,
     validate_tensors,
 )
 from lightning_shard.checkpoint.trainer_state import from_json_tree
@@ -241,8 +242,9 @@ def load_safetensors_into(
     ``path`` is one ``.safetensors`` file (a consolidated checkpoint, a Hugging Face model file), a Hugging Face
     ``*.safetensors.index.json`` (its ``weight_map`` names the file of each tensor), or a directory holding either
     as ``save_pretrained`` writes it (``model.safetensors.index.json`` is preferred to ``model.safetensors``).
-    ``prefix`` is prepended to the file's keys to match the module's ``state_dict`` keys (e.g. ``"model."`` when
-    the LightningModule holds the network as ``self.model``), after ``rename`` (if given) maps each file key.
+    ``prefix`` is prepended to the file's keys to match the module's ``state_dict`` keys (``"model."`` or
+    ``"model"`` when the LightningModule holds the network as ``self.model``: a prefix names a submodule), after
+    ``rename`` (if given) maps each file key.
     A tied weight the files store once (GPT-2's ``lm_head.weight``) is loaded through the name they store.
     The files are validated before any tensor data is read (see docs/checkpoint_format.md). Returns the missing
     and unexpected keys."""
@@ -253,6 +255,7 @@ def load_safetensors_into(
             " Trainer set it up, e.g. from on_fit_start); this module is not sharded."
         )
     directory, tensors = agree(lambda: _safetensors_tensors(Path(path)))
+    prefix = submodule_prefix(prefix)
     index = {"tensors": {MODEL_PREFIX + prefix + (rename(key) if rename else key): e for key, e in tensors.items()}}
     return load_model(engine, module, directory, index, strict=strict)
 
