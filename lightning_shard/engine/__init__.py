@@ -50,8 +50,10 @@ def shard_model(
 ) -> ShardedModule:
     """Shard ``model`` in place over the default process group, as the Lightning strategies do; return its engine.
 
-    Afterwards ``model.parameters()`` are this rank's rows (build the optimizer from them), each forward gathers
-    the units it runs, and each backward leaves this rank's rows of the averaged gradients in ``.grad``. A model
+    Afterwards ``model.parameters()`` are this rank's rows (build the optimizer from them before any forward with
+    gradients, or after its backward: in between, the units that stay gathered for backward show their full
+    weights), each forward gathers the units it runs, and each backward leaves this rank's rows of the averaged
+    gradients in ``.grad``. A model
     built on the meta device is materialised and initialised (``reset_parameters()``) one unit at a time, or with
     ``param_init="empty"`` left uninitialised for a load to fill (a forward before that raises). The
     arguments mean what the strategies' arguments of the same names mean; ``device`` defaults to
