@@ -15,11 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_shard import consolidate, inspect
+from lightning_shard import CheckpointError, consolidate, inspect
+from lightning_shard.checkpoint import save_checkpoint
 from lightning_shard.checkpoint.format import INDEX_FILE
+from lightning_shard.engine import shard_model
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
 from tests.checkpoint_fits import fit, global_losses
 from tests.fits import trainer_for
+from tests.models import TinyGPT
 
 
 @pytest.fixture(scope="module")
@@ -415,13 +418,46 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path, break
 
 
 def test_a_successful_save_removes_what_a_killed_save_left_and_nothing_else(tmp_path: Path) -> None:
-    stale = [".last.ckpt.tmp-0123456789ab", ".epoch=0.ckpt.old-abcdef012345"]
+    stale = [".last.ckpt.tmp-0123456789ab", ".last.ckpt.old-abcdef012345"]  # last.ckpt is saved again: both go
+    moved_aside = ".epoch=0.ckpt.old-abcdef012345"  # killed between the renames: the only copy of epoch=0.ckpt
     kept = [".notes.tmp-short", "user-data", ".last.ckpt.tmp-0123456789ab.txt"]
-    for name in stale + kept[:2]:
+    for name in [*stale, moved_aside, *kept[:2]]:
         (tmp_path / name).mkdir()
-        (tmp_path / name / "shard-00000-of-00002.safetensors").write_bytes(b"partial")
+        (tmp_path / name / "shard-00000-of-00002.safetensors").write_bytes(name.encode())
     (tmp_path / kept[2]).write_text("a file, not a save's directory")
     run_on_ranks(fit, 2, str(tmp_path), 1)
     names = {p.name for p in tmp_path.iterdir()}
-    assert not names & set(stale), names
-    assert set(kept) | {"last.ckpt"} <= names, names
+    assert not names & {*stale, moved_aside}, names
+    assert set(kept) | {"last.ckpt", "epoch=0.ckpt"} <= names, names
+    restored = tmp_path / "epoch=0.ckpt" / "shard-00000-of-00002.safetensors"
+    assert restored.read_bytes() == moved_aside.encode()  # put back under its name, not deleted
+
+
+def save_over(rank: int, world_size: int, target: str) -> str:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    shard_model(model)
+    try:
+        save_checkpoint(target, model)
+    except CheckpointError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("existing", ["file", "directory"])
+def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path, existing: str) -> None:
+    target = tmp_path / "notes"
+    if existing == "file":
+        target.write_text("not a checkpoint")
+    else:
+        target.mkdir()
+        (target / "thesis.tex").write_text("not a checkpoint")
+    for message in run_on_ranks(save_over, 2, str(target)):  # refused on every rank
+        assert "Refusing to save a checkpoint at" in message and "Remove it or choose another path" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # nothing written beside it
+    if existing == "file":
+        assert target.read_text() == "not a checkpoint"
+    else:
+        assert (target / "thesis.tex").read_text() == "not a checkpoint"
+    assert run_on_ranks(save_over, 2, str(tmp_path / "ckpt")) == ["", ""]
+    assert run_on_ranks(save_over, 2, str(tmp_path / "ckpt")) == ["", ""]  # a checkpoint is replaced

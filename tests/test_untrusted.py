@@ -9,6 +9,7 @@ import builtins
 import io
 import json
 import math
+import os
 import re
 import shutil
 import struct
@@ -204,3 +205,90 @@ def test_hugging_face_index_naming_a_file_outside_is_refused(tmp_path: Path, ope
     with pytest.raises(CheckpointError, match=r"'\.\./outside\.safetensors', which is not a plain file name"):
         _safetensors_tensors(tmp_path / "model")
     assert all(p.is_relative_to((tmp_path / "model").resolve()) for p in opened), opened
+
+
+def _set(key: str, value: Any) -> Any:
+    return lambda index: index.__setitem__(key, value)
+
+
+def _first_file(edit: Any) -> Any:
+    return lambda index: edit(next(iter(index["files"].values())))
+
+
+def _first_piece(edit: Any) -> Any:
+    return lambda index: edit(next(iter(index["tensors"].values()))["pieces"][0])
+
+
+DAMAGED_INDEXES = {
+    "index is a list": (lambda index: None, r"index\.json is damaged: it holds a JSON list"),
+    "version is a string": (_set("version", "1"), r"format version is '1', which no lightning_shard writes"),
+    "size is a string": (_first_file(lambda f: f.__setitem__("size", "1836")), r"needs a byte count 'size'"),
+    "file entry is a string": (lambda index: index["files"].update(dict.fromkeys(index["files"], "x")),
+                               r"needs a byte count 'size'"),
+    "ties is a list": (_set("ties", ["a"]), r"'ties' must map tensor names to tensor names"),
+    "tie to a number": (_set("ties", {"model/a": 5}), r"'ties' must map tensor names to tensor names"),
+    "optimizers is a number": (_set("optimizers", 5), r"'optimizers' must be a list"),
+    "optimizer without groups": (lambda index: index["optimizers"][0].pop("param_groups"), r"optimizer 0 needs"),
+    "mesh missing": (lambda index: index.pop("mesh"), r"'world_size' and 'mesh'"),
+    "dtype is a list": (lambda index: next(iter(index["tensors"].values())).__setitem__("dtype", ["float32"]),
+                        r"has a malformed entry"),
+    "piece file is a list": (_first_piece(lambda p: p.__setitem__("file", [p["file"]])), r"has a malformed piece"),
+    "crc32 is a string": (_first_piece(lambda p: p.__setitem__("crc32", "abc")), r"has a malformed piece"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_INDEXES))
+def test_a_damaged_index_is_named_and_explained_by_every_reader(tmp_path: Path, saved: Path, case: str) -> None:
+    edit, pattern = DAMAGED_INDEXES[case]
+    ckpt = _copy(saved, tmp_path / "bad")
+    if case == "index is a list":
+        (ckpt / INDEX_FILE).write_text("[1, 2, 3]")
+    else:
+        _edit_index(ckpt, edit)
+    for tool in (lambda: inspect(ckpt), lambda: consolidate(ckpt, tmp_path / "m.safetensors")):
+        with pytest.raises(CheckpointError, match=pattern):
+            tool()
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_damaged_optimizer_options_and_trainer_state_are_named(tmp_path: Path, saved: Path) -> None:
+    ckpt = _copy(saved, tmp_path / "bad")
+    _edit_index(ckpt, lambda index: index["optimizers"][0]["param_groups"][0]["options"].update(
+        {"lr": {"__tensor__": "nope"}}))
+    _refused_on_every_rank(ckpt, tmp_path / "out", r"Optimizer 0's options in .*index\.json cannot be decoded")
+    ckpt = _copy(saved, tmp_path / "deep")
+    nested: Any = 0
+    for _ in range(900):
+        nested = [nested]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "deep": nested}))
+    _edit_index(ckpt, lambda index: index["files"]["trainer_state.json"].update(
+        size=(ckpt / "trainer_state.json").stat().st_size))
+    _refused_on_every_rank(ckpt, tmp_path / "out2", r"Cannot read the trainer state in .*RecursionError")
+
+
+@pytest.mark.parametrize("special", ["pipe", "link to /dev/zero"])
+def test_an_index_that_is_not_a_regular_file_is_refused_without_reading_it(
+    tmp_path: Path, saved: Path, special: str
+) -> None:
+    ckpt = _copy(saved, tmp_path / "bad")
+    (ckpt / INDEX_FILE).unlink()
+    if special == "pipe":
+        os.mkfifo(ckpt / INDEX_FILE)  # reading it would wait for a writer forever
+        pattern = r"index\.json is not a regular file"
+    else:
+        (ckpt / INDEX_FILE).symlink_to("/dev/zero")  # reading it would never end
+        pattern = r"index\.json is a symlink that leads out of"
+    _refused_on_every_rank(ckpt, tmp_path / "out", pattern)  # a hang would time out instead
+
+
+def test_consolidate_refuses_to_write_into_the_checkpoint_or_onto_a_directory(tmp_path: Path, saved: Path) -> None:
+    ckpt = _copy(saved, tmp_path / "ckpt")
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    with pytest.raises(CheckpointError, match="would be written inside the checkpoint"):
+        consolidate(ckpt, ckpt / SHARD1)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(CheckpointError, match="is a directory: give a file name"):
+        consolidate(ckpt, tmp_path / "folder")
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "folder"]  # no temporary file left

@@ -21,6 +21,7 @@ from lightning_shard.checkpoint.format import (
     iter_index_tensors,
     model_ties,
     read_index,
+    read_json_member,
     read_rows,
     require_complete,
 )
@@ -31,10 +32,18 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
     """Write the model of ``checkpoint_dir`` as one ``.safetensors`` file under the LightningModule's state_dict keys.
 
     Tied weights are stored once; the tie is recorded in the file's metadata (``"ties"``: JSON mapping each
-    alias to the stored key). The result loads with ``safetensors.torch.load_file``.
+    alias to the stored key). The result loads with ``safetensors.torch.load_file``. An existing file at ``output``
+    is replaced; a path inside the checkpoint or a directory is refused.
     """
     directory, output = Path(checkpoint_dir), Path(output)
     index = read_index(directory)
+    if output.resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(
+            f"The consolidated file {output} would be written inside the checkpoint {directory}, whose files it"
+            " could replace: write it elsewhere."
+        )
+    if output.is_dir():
+        raise CheckpointError(f"The consolidated file's path {output} is a directory: give a file name.")
     require_complete(directory, index["tensors"])
     model = list(iter_index_tensors(index, MODEL_PREFIX))
     ties = model_ties(index)
@@ -85,7 +94,9 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
     directory = Path(checkpoint_dir)
     index = read_index(directory)
     require_complete(directory, index["tensors"])
-    state = json.loads((directory / TRAINER_STATE_JSON).read_text())
+    state = read_json_member(directory, TRAINER_STATE_JSON)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{directory / TRAINER_STATE_JSON} holds a {type(state).__name__}, not an object.")
     problems: list[str] = []
     if verify:
         problems = _verify(directory, index)

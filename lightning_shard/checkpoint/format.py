@@ -79,28 +79,16 @@ def crc32(tensor: Tensor) -> int:
 
 
 def read_index(directory: Path) -> dict[str, Any]:
-    """Read and check ``index.json``: format name and version, and that every file exists at its recorded size."""
+    """Read and check ``index.json``: its structure, format name and version, and that every file exists at its
+    recorded size."""
     index_path = directory / INDEX_FILE
     if not directory.is_dir():
         raise CheckpointError(
             f"{directory} is not a lightning_shard checkpoint directory. To load model weights from a single"
             f" .safetensors file use lightning_shard.load_safetensors_into(); pickled .ckpt files are never loaded."
         )
-    try:
-        index = json.loads(index_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{index_path} is missing: {directory} is not a complete checkpoint.") from None
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{index_path} is not valid JSON ({err}).") from None
-    if index.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{index_path} is not a {FORMAT_NAME} index (format={index.get('format')!r}).")
-    if index.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{index_path} has format version {index.get('version')!r}; this lightning_shard reads version"
-            f" {FORMAT_VERSION}. Upgrade lightning_shard to read it."
-        )
-    if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict):
-        raise CheckpointError(f"{index_path} lacks its 'files' or 'tensors' table.")
+    index = read_json_member(directory, INDEX_FILE)
+    _check_index_structure(index_path, index)
     for name, info in index["files"].items():
         path = member_path(directory, name)
         if not path.is_file():
@@ -113,6 +101,81 @@ def read_index(directory: Path) -> dict[str, Any]:
             )
     validate_tensors(directory, index["tensors"], {name: info["size"] for name, info in index["files"].items()})
     return index
+
+
+MAX_JSON_BYTES = 256 * 2**20  # an index or trainer state of any real checkpoint is far smaller
+
+
+def read_json_member(directory: Path, name: str) -> Any:
+    """The JSON file ``name`` of a checkpoint directory, refusing what is not a regular file inside it (a link out,
+    a device, a pipe: nothing that could hang or never end) and anything above ``MAX_JSON_BYTES``."""
+    path = member_path(directory, name)
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint.")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file (a directory, a device or a pipe); refusing to read it.")
+    with open(path, "rb") as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes, which no checkpoint writes; not read.")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, absurd nesting
+        raise CheckpointError(f"{path} is not valid JSON ({type(err).__name__}: {err}).") from None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_index_structure(path: Path, index: Any) -> None:
+    """The index's tables have the types its format gives them (docs/checkpoint_format.md); tensor entries are
+    checked by ``validate_tensors``."""
+
+    def damaged(what: str) -> CheckpointError:
+        return CheckpointError(f"{path} is damaged: {what}. Use another checkpoint, or save this one again.")
+
+    if not isinstance(index, dict):
+        raise damaged(f"it holds a JSON {type(index).__name__}, not an object")
+    if index.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path} is not a {FORMAT_NAME} index (format={index.get('format')!r}).")
+    version = index.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {version}; this lightning_shard reads version {FORMAT_VERSION}. Upgrade"
+            " lightning_shard to read it."
+        )
+    if version != FORMAT_VERSION:
+        raise damaged(f"its format version is {version!r}, which no lightning_shard writes")
+    if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict):
+        raise CheckpointError(f"{path} lacks its 'files' or 'tensors' table.")
+    for name, info in index["files"].items():
+        if not (isinstance(info, dict) and _is_count(info.get("size")) and isinstance(info.get("sha256"), str)):
+            raise damaged(f"the entry of {name!r} in 'files' needs a byte count 'size' and a string 'sha256'")
+    mesh = index.get("mesh")
+    if not _is_count(index.get("world_size")) or not (
+        isinstance(mesh, dict) and _is_count(mesh.get("replicas")) and _is_count(mesh.get("shard_size"))
+    ):
+        raise damaged("'world_size' and 'mesh' ('replicas', 'shard_size') must be counts")
+    ties = index.get("ties", {})
+    if not isinstance(ties, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ties.items()):
+        raise damaged("'ties' must map tensor names to tensor names")
+    optimizers = index.get("optimizers", [])
+    if not isinstance(optimizers, list):
+        raise damaged("'optimizers' must be a list")
+    for i, optimizer in enumerate(optimizers):
+        groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+        groups_ok = isinstance(groups, list) and all(
+            isinstance(g, dict) and isinstance(g.get("options"), dict) and isinstance(g.get("params"), list)
+            and all(isinstance(n, str) for n in g["params"]) for g in groups
+        )
+        values = optimizer.get("values", {}) if isinstance(optimizer, dict) else None
+        values_ok = isinstance(values, dict) and all(isinstance(v, dict) for v in values.values())
+        if not (groups_ok and values_ok):
+            raise damaged(
+                f"optimizer {i} needs 'param_groups' (each with a 'params' list of names and an 'options' object)"
+                " and 'values' objects"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,7 +277,7 @@ def validate_tensors(
     for key, entry in tensors.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None
         pieces = entry.get("pieces") if isinstance(entry, dict) else None
-        if not _is_shape(shape) or not isinstance(pieces, list) or not pieces:
+        if not (_is_shape(shape) and isinstance(pieces, list) and pieces and isinstance(entry.get("dtype"), str)):
             raise CheckpointError(f"{directory / INDEX_FILE}: tensor {key!r} has a malformed entry.")
         dtype = dtype_from_name(entry.get("dtype", ""))
         rows = shape[0] if shape else 1
@@ -264,7 +327,9 @@ def _first_row(piece: Any) -> int:
 
 def _piece_rows(directory: Path, key: str, piece: Any) -> tuple[int, int]:
     rows = piece.get("rows") if isinstance(piece, dict) else None
-    if not _is_shape(rows) or len(rows) != 2 or rows[0] > rows[1] or not isinstance(piece.get("key"), str):
+    crc_ok = "crc32" not in piece or _is_count(piece.get("crc32")) if isinstance(piece, dict) else False
+    if not (_is_shape(rows) and len(rows) == 2 and rows[0] <= rows[1] and crc_ok and isinstance(piece.get("key"), str)
+            and isinstance(piece.get("file"), str)):
         raise CheckpointError(f"{directory / INDEX_FILE}: tensor {key!r} has a malformed piece {piece!r}.")
     return rows[0], rows[1]
 

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
 from lightning_shard.checkpoint.format import (
+    INDEX_FILE,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     TRAINER_STATE_JSON,
@@ -32,6 +33,7 @@ from lightning_shard.checkpoint.format import (
     member_path,
     model_ties,
     read_index,
+    read_json_member,
     read_rows,
     read_safetensors_header,
     require_complete,
@@ -65,13 +67,16 @@ def load_trainer_state(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]
 
     index = read_index(directory)
     try:
-        state_json = json.loads(member_path(directory, TRAINER_STATE_JSON).read_text())
+        state_json = read_json_member(directory, TRAINER_STATE_JSON)
         tensors = load_file(str(member_path(directory, TRAINER_STATE_TENSORS)))
+        state = from_json_tree(state_json, tensors)
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged file: name it
-        raise CheckpointError(f"Cannot read the trainer state in {directory}: {err}") from None
-    return from_json_tree(state_json, tensors), index
+        raise CheckpointError(f"Cannot read the trainer state in {directory}: {type(err).__name__}: {err}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{directory / TRAINER_STATE_JSON} holds a {type(state).__name__}, not an object.")
+    return state, index
 
 
 def load_model(
@@ -165,7 +170,7 @@ def _optimizer_state(
         )
     groups = []
     for group, names_in_group in zip(meta["param_groups"], current):
-        options = from_json_tree(group["options"], {})
+        options = _decoded(group["options"], f"Optimizer {i}'s options", directory)
         groups.append({**options, "params": [position[n] for n in names_in_group]})
     state: dict[int, dict[str, Any]] = {}
     sharded = {p.fqn: p for p in engine.sharded_params()}
@@ -178,7 +183,7 @@ def _optimizer_state(
         for key, entry in entries:
             fqn, name = key.rsplit("/", 1)
             p = sharded[fqn]
-            if entry["shape"] or name in row_states.get(fqn, ()):
+            if entry["shape"] or (not p.global_shape and name in row_states.get(fqn, ())):
                 value = read_rows(directory, entry, p.first_row, p.first_row + p.local_rows, files)
                 value = value.reshape(p.sharded.shape)
             else:
@@ -186,9 +191,22 @@ def _optimizer_state(
             state.setdefault(position[fqn], {})[name] = value  # load_state_dict() moves it as the optimizer wants
     for fqn, values in meta.get("values", {}).items():
         if fqn in position:
-            state.setdefault(position[fqn], {}).update({k: from_json_tree(v, {}) for k, v in values.items()})
+            decoded = {k: _decoded(v, f"Optimizer {i}'s {k!r} of {fqn}", directory) for k, v in values.items()}
+            state.setdefault(position[fqn], {}).update(decoded)
 
     return {"state": state, "param_groups": groups}
+
+
+def _decoded(value: Any, what: str, directory: Path) -> Any:
+    """The Python value of ``value``, JSON from the index; a damaged one is a ``CheckpointError`` naming ``what``."""
+    try:
+        return from_json_tree(value, {})
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - untrusted JSON: name what was damaged
+        raise CheckpointError(
+            f"{what} in {directory / INDEX_FILE} cannot be decoded ({type(err).__name__}: {err}): the index is damaged."
+        ) from None
 
 
 def _scalar_param_states(i: int, meta: dict[str, Any]) -> dict[str, list[str]]:

@@ -7,7 +7,11 @@ existing checkpoint at the target aside, renames the temporary directory into pl
 the old one. If any rank fails while writing, every rank raises the failure and the temporary
 directory is removed: the checkpoint that was at the target before stays untouched and loadable.
 A save killed outright (SIGKILL, a node lost) leaves its hidden temporary directory behind; the
-next successful save into the same parent directory removes it (``remove_stale_temporaries``).
+next successful save into the same parent directory removes it (``remove_stale_temporaries``). A save
+killed between its two renames leaves the previous checkpoint moved aside (``.<name>.old-<id>``) and
+nothing at the target: the next save into the parent puts it back under its name, never deletes it.
+Only a checkpoint directory is ever replaced: a save whose target is anything else (a file, a
+directory without ``index.json``) is refused on every rank before anything is written.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def prepare_save(
 ) -> PreparedSave:
     """The part of a save every rank must do together on the default group: agree on the temporary directory and
     turn the trainer state into JSON. Collective."""
+    agree(lambda: refuse_to_replace_other_data(path) if not dist.is_initialized() or dist.get_rank() == 0 else None)
     checkpoint = dict(checkpoint)
     checkpoint.pop("state_dict", None)
     with_optimizers = checkpoint.pop("optimizer_states", None) is not None
@@ -139,18 +144,42 @@ def _finish(tmp: Path, path: Path, index: dict[str, Any], trainer_state: Any, te
     remove_stale_temporaries(path.parent)
 
 
-_STALE = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{12}$")  # the hidden names saves give their temporary directories
+def refuse_to_replace_other_data(path: Path) -> None:
+    """Raise unless ``path`` is free or holds a checkpoint directory (which a save replaces): a save never deletes
+    a file or a directory of something else (see [Note: atomic checkpoint saves])."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_dir() and (path / INDEX_FILE).is_file():
+        return
+    what = "a file" if path.is_file() else "a directory that is not a checkpoint (no index.json)"
+    if path.is_symlink() and not path.exists():
+        what = "a broken symlink"
+    raise CheckpointError(
+        f"Refusing to save a checkpoint at {path}: it is {what}, which the save would replace. Remove it or"
+        " choose another path; an existing checkpoint directory is replaced atomically."
+    )
+
+
+_STALE = re.compile(r"^\.(.+)\.(tmp|old)-[0-9a-f]{12}$")  # the hidden names saves give their temporary directories
 
 
 def remove_stale_temporaries(parent: Path) -> list[str]:
-    """Remove what a killed save left in ``parent``: hidden ``.<name>.tmp-<id>`` / ``.<name>.old-<id>`` directories
-    (only ours, recognised by that pattern; never a link, never anything else). Called by rank 0 after a successful
-    save, when no other save of this job is in progress; returns the names removed."""
+    """Clean up what a killed save left in ``parent`` (only hidden directories named as saves name them; never a
+    link, never anything else): a ``.<name>.old-<id>`` whose ``<name>`` is missing is the previous checkpoint of a
+    save killed between its renames, and is put back under ``<name>``; the other ``.<name>.tmp-<id>`` and
+    ``.<name>.old-<id>`` directories are removed. Called by rank 0 after a successful save, when no other save of
+    this job is in progress; returns the names removed."""
     removed = []
-    for entry in parent.iterdir():
-        if _STALE.match(entry.name) and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry.name)
+    stale = [(entry, match) for entry in sorted(parent.iterdir()) if (match := _STALE.match(entry.name))]
+    for entry, match in sorted(stale, key=lambda item: item[1].group(2)):  # "old" first: restore before removing
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        target = parent / match.group(1)
+        if match.group(2) == "old" and not (target.exists() or target.is_symlink()):
+            os.replace(entry, target)
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
     return removed
 
 
