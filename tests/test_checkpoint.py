@@ -461,3 +461,6 @@ def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path, existing
         assert (target / "thesis.tex").read_text() == "not a checkpoint"
     assert run_on_ranks(save_over, 2, str(tmp_path / "ckpt")) == ["", ""]
     assert run_on_ranks(save_over, 2, str(tmp_path / "ckpt")) == ["", ""]  # a checkpoint is replaced
+    (tmp_path / "made-ready").mkdir()  # an empty directory holds nothing to lose
+    assert run_on_ranks(save_over, 2, str(tmp_path / "made-ready")) == ["", ""]
+    assert (tmp_path / "made-ready" / INDEX_FILE).is_file()

@@ -10,8 +10,9 @@ A save killed outright (SIGKILL, a node lost) leaves its hidden temporary direct
 next successful save into the same parent directory removes it (``remove_stale_temporaries``). A save
 killed between its two renames leaves the previous checkpoint moved aside (``.<name>.old-<id>``) and
 nothing at the target: the next save into the parent puts it back under its name, never deletes it.
-Only a checkpoint directory is ever replaced: a save whose target is anything else (a file, a
-directory without ``index.json``) is refused on every rank before anything is written.
+Only a checkpoint directory (or an empty one) is ever replaced: a save whose target is anything else
+(a file, a non-empty directory without ``index.json``) is refused on every rank before anything is
+written.
 """
 
 from __future__ import annotations
@@ -145,12 +146,12 @@ def _finish(tmp: Path, path: Path, index: dict[str, Any], trainer_state: Any, te
 
 
 def refuse_to_replace_other_data(path: Path) -> None:
-    """Raise unless ``path`` is free or holds a checkpoint directory (which a save replaces): a save never deletes
-    a file or a directory of something else (see [Note: atomic checkpoint saves])."""
+    """Raise unless ``path`` is free, an empty directory or a checkpoint directory (which a save replaces): a save
+    never deletes a file or a directory holding anything else (see [Note: atomic checkpoint saves])."""
     if not (path.exists() or path.is_symlink()):
         return
-    if path.is_dir() and (path / INDEX_FILE).is_file():
-        return
+    if path.is_dir() and ((path / INDEX_FILE).is_file() or not any(path.iterdir())):
+        return  # a checkpoint, or an empty directory (made ready for the save): nothing else is lost
     what = "a file" if path.is_file() else "a directory that is not a checkpoint (no index.json)"
     if path.is_symlink() and not path.exists():
         what = "a broken symlink"
