@@ -230,6 +230,8 @@ DAMAGED_INDEXES = {
     "optimizers is a number": (_set("optimizers", 5), r"'optimizers' must be a list"),
     "optimizer without groups": (lambda index: index["optimizers"][0].pop("param_groups"), r"optimizer 0 needs"),
     "mesh missing": (lambda index: index.pop("mesh"), r"'world_size' and 'mesh'"),
+    "scalar states not a table": (lambda index: index["optimizers"][0].__setitem__("scalar_param_states", ["x"]),
+                                  r"optimizer 0's 'scalar_param_states' must map parameter names"),
     "dtype is a list": (lambda index: next(iter(index["tensors"].values())).__setitem__("dtype", ["float32"]),
                         r"has a malformed entry"),
     "piece file is a list": (_first_piece(lambda p: p.__setitem__("file", [p["file"]])), r"has a malformed piece"),

@@ -176,6 +176,11 @@ def _check_index_structure(path: Path, index: Any) -> None:
                 f"optimizer {i} needs 'param_groups' (each with a 'params' list of names and an 'options' object)"
                 " and 'values' objects"
             )
+        row_states = optimizer.get("scalar_param_states", {})
+        if not (isinstance(row_states, dict) and all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in row_states.values()
+        )):
+            raise damaged(f"optimizer {i}'s 'scalar_param_states' must map parameter names to lists of state names")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,12 +331,21 @@ def _first_row(piece: Any) -> int:
 
 
 def _piece_rows(directory: Path, key: str, piece: Any) -> tuple[int, int]:
-    rows = piece.get("rows") if isinstance(piece, dict) else None
-    crc_ok = "crc32" not in piece or _is_count(piece.get("crc32")) if isinstance(piece, dict) else False
-    if not (_is_shape(rows) and len(rows) == 2 and rows[0] <= rows[1] and crc_ok and isinstance(piece.get("key"), str)
-            and isinstance(piece.get("file"), str)):
+    if not _is_well_formed_piece(piece):
         raise CheckpointError(f"{directory / INDEX_FILE}: tensor {key!r} has a malformed piece {piece!r}.")
-    return rows[0], rows[1]
+    lo, hi = piece["rows"]
+    return lo, hi
+
+
+def _is_well_formed_piece(piece: Any) -> bool:
+    if not isinstance(piece, dict):
+        return False
+    rows = piece.get("rows")
+    return (
+        _is_shape(rows) and len(rows) == 2 and rows[0] <= rows[1]
+        and isinstance(piece.get("key"), str) and isinstance(piece.get("file"), str)
+        and ("crc32" not in piece or _is_count(piece["crc32"]))
+    )
 
 
 def _check_piece(

@@ -178,7 +178,7 @@ def _optimizer_state(
                if key.rsplit("/", 1)[0] in position]  # strict=False: the model may no longer have a parameter
     _check_optimizer_shapes(i, entries, sharded)  # before anything is allocated or read
     require_complete(directory, dict(entries))
-    row_states = _scalar_param_states(i, meta)
+    row_states = meta.get("scalar_param_states", {})  # see docs/checkpoint_format.md; checked by read_index
     with OpenFiles(directory) as files:
         for key, entry in entries:
             fqn, name = key.rsplit("/", 1)
@@ -207,21 +207,6 @@ def _decoded(value: Any, what: str, directory: Path) -> Any:
         raise CheckpointError(
             f"{what} in {directory / INDEX_FILE} cannot be decoded ({type(err).__name__}: {err}): the index is damaged."
         ) from None
-
-
-def _scalar_param_states(i: int, meta: dict[str, Any]) -> dict[str, list[str]]:
-    """The states of 0-dim parameters that are shaped like them (split by rows, as the parameter is), by parameter
-    name: the index alone cannot tell them from scalar state such as Adam's ``step``, which is 0-dim too."""
-    states = meta.get("scalar_param_states", {})
-    valid = isinstance(states, dict) and all(
-        isinstance(k, str) and isinstance(v, list) and all(isinstance(n, str) for n in v) for k, v in states.items()
-    )
-    if not valid:
-        raise CheckpointError(
-            f"Optimizer {i}'s 'scalar_param_states' in the checkpoint index must map parameter names to lists of"
-            f" state names, got {str(states)[:200]}: the index is damaged."
-        )
-    return states
 
 
 def _check_optimizer_shapes(i: int, entries: list[tuple[str, dict[str, Any]]], sharded: dict[str, Any]) -> None:

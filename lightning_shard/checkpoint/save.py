@@ -88,13 +88,18 @@ def prepare_save(
 ) -> PreparedSave:
     """The part of a save every rank must do together on the default group: agree on the temporary directory and
     turn the trainer state into JSON. Collective."""
-    agree(lambda: refuse_to_replace_other_data(path) if not dist.is_initialized() or dist.get_rank() == 0 else None)
     checkpoint = dict(checkpoint)
     checkpoint.pop("state_dict", None)
     with_optimizers = checkpoint.pop("optimizer_states", None) is not None
     tmp = Path(broadcast_str(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")))
     tensors: dict[str, Tensor] = {}
-    trainer_state = agree(lambda: to_json_tree(checkpoint, tensors))  # unstorable values fail on every rank
+
+    def checked_trainer_state() -> Any:
+        if not dist.is_initialized() or dist.get_rank() == 0:  # rank 0 finishes the directory: it looks at the target
+            refuse_to_replace_other_data(path)
+        return to_json_tree(checkpoint, tensors)
+
+    trainer_state = agree(checked_trainer_state)  # a refused target or an unstorable value fails on every rank
     writer = _ShardedWriter if layout is StateDictType.SHARDED else _FullWriter
     plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp)
     return PreparedSave(plan, path, layout, trainer_state, tensors)

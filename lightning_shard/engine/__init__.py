@@ -53,10 +53,9 @@ def shard_model(
     Afterwards ``model.parameters()`` are this rank's rows (build the optimizer from them before any forward with
     gradients, or after its backward: in between, the units that stay gathered for backward show their full
     weights), each forward gathers the units it runs, and each backward leaves this rank's rows of the averaged
-    gradients in ``.grad``. A model
-    built on the meta device is materialised and initialised (``reset_parameters()``) one unit at a time, or with
-    ``param_init="empty"`` left uninitialised for a load to fill (a forward before that raises). The
-    arguments mean what the strategies' arguments of the same names mean; ``device`` defaults to
+    gradients in ``.grad``. A model built on the meta device is materialised and initialised (``reset_parameters()``)
+    one unit at a time, or with ``param_init="empty"`` left uninitialised for a load to fill (a forward before that
+    raises). The arguments mean what the strategies' arguments of the same names mean; ``device`` defaults to
     ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. The process group must exist
     (``torch.distributed.init_process_group``, e.g. under ``torchrun``).
     """
