@@ -30,7 +30,10 @@ class ShardMesh:
     shard_size: int
     shard_group: ProcessGroup | None
     replicate_group: ProcessGroup | None
-    owned_groups: list[ProcessGroup] = field(default_factory=list)  # created here, destroyed by ``destroy()``
+    # The groups created here that this rank is a member of (its shard and replicate groups), destroyed by
+    # ``destroy()``. The groups of other rows and columns are created too (every rank must call ``new_group`` for
+    # each), but this rank holds only a placeholder for them: no timeout to set, nothing to destroy.
+    owned_groups: list[ProcessGroup] = field(default_factory=list)
     shard_backend: str | None = None  # the shard group's backend, recorded while the group is registered
 
     @property
@@ -96,19 +99,19 @@ def build_shard_mesh(
         if replicas == 1:
             mesh.shard_group = dist.group.WORLD
         else:
-            for row in range(replicas):
+            for row in range(replicas):  # every rank creates every group, in the same order (new_group's rule)
                 group = dist.new_group(list(range(row * shard_size, (row + 1) * shard_size)), backend=backend)
-                mesh.owned_groups.append(group)
                 if row == mesh.replicate_rank:
                     mesh.shard_group = group
+                    mesh.owned_groups.append(group)
     if replicas > 1:
         if shard_size == 1:
             mesh.replicate_group = dist.group.WORLD
         else:
             for col in range(shard_size):
                 group = dist.new_group(list(range(col, world_size, shard_size)), backend=backend)
-                mesh.owned_groups.append(group)
                 if col == mesh.shard_rank:
                     mesh.replicate_group = group
+                    mesh.owned_groups.append(group)
     mesh.shard_backend = dist.get_backend(mesh.shard_group) if mesh.shard_group is not None else None
     return mesh
