@@ -11,20 +11,24 @@ holds it in full: ``fabric.setup_module`` materialises and initialises it one bl
 only this rank's shard. Each optimizer step accumulates ``--accumulate`` micro-batches (the gradients of all
 but the last stay unreduced under ``fabric.no_backward_sync``) and clips by the global gradient norm. The
 checkpoint written by ``fabric.save`` is a directory of safetensors shards and JSON that loads on any number
-of processes; the global batch stays 48 sequences, so the resumed run continues the same training.
+of processes. The data comes from a ``GlobalBatchLoader``: every optimizer step trains on the same 48 sequences
+whatever the number of processes, and the loader's position is saved with the model, so the resumed run trains
+on exactly the batches an uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 from train_gpt import DATA_PATH, GPT, Block, CharDataset
 
+from lightning_shard import GlobalBatchLoader
 from lightning_shard.fabric import ShardStrategy
 
 GLOBAL_BATCH = 48  # sequences per optimizer step, over all processes and micro-batches
@@ -49,8 +53,9 @@ def main() -> None:
     fabric.seed_everything(1337)
 
     dataset = CharDataset(DATA_PATH.read_text(encoding="utf-8"), block_size=64)
-    micro_batch = GLOBAL_BATCH // (args.devices * args.accumulate)
-    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=micro_batch, shuffle=True, drop_last=True))
+    # One loader batch is one micro-batch of every process together: GLOBAL_BATCH // accumulate sequences. Iterated
+    # as it is (not through fabric.setup_dataloaders, whose wrapper restarts the epoch count at 0 in a new process).
+    loader = GlobalBatchLoader(dataset, global_batch_size=GLOBAL_BATCH // args.accumulate, seed=1337)
 
     with fabric.init_module(empty_init=True):  # meta device: nothing is allocated yet
         model = GPT(dataset.vocab_size, block_size=64, n_layer=2, n_embd=64, n_head=4)
@@ -58,15 +63,15 @@ def main() -> None:
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
 
     checkpoint = Path(args.out) / "checkpoint"
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    state = {"model": model, "optimizer": optimizer, "data": loader, "step": 0}
     if args.resume:
-        fabric.load(checkpoint, state)  # on any number of processes: each reads only its rows
+        fabric.load(checkpoint, state)  # on any number of processes: each reads only its rows; the loader its position
     fabric.print(f"starting at step {state['step']}")
 
-    batches = iter(loader)
+    batches = endless(loader)
     while state["step"] < args.steps:
         for micro in range(args.accumulate):
-            x, y = next(batches)
+            x, y = fabric.to_device(next(batches))
             last = micro == args.accumulate - 1
             with fabric.no_backward_sync(model, enabled=not last):
                 logits = model(x)
@@ -81,6 +86,13 @@ def main() -> None:
 
     fabric.save(checkpoint, state)  # every rank writes its own rows
     fabric.print(f"saved {checkpoint}")
+
+
+def endless(loader: GlobalBatchLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The loader's batches epoch after epoch, from where it is (after fabric.load, mid-epoch)."""
+    for epoch in itertools.count(loader.epoch):
+        loader.set_epoch(epoch)  # the epoch it is at keeps its position; a new one starts from its beginning
+        yield from loader
 
 
 if __name__ == "__main__":

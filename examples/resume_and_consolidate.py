@@ -8,9 +8,11 @@ Run from the repository root, one command after the other:
     lightning-shard consolidate /tmp/gpt_run/last.ckpt /tmp/gpt_run/model.safetensors
 
 The checkpoint is a directory of safetensors shards and JSON written by every rank; it loads on any
-number of processes, each reading only the rows it needs. The global batch stays 48 sequences
-(24 per process on 2, 16 on 3), so the resumed run continues the same training. The last command
-writes the whole model as one file that ``safetensors.torch.load_file`` reads.
+number of processes, each reading only the rows it needs. The data comes from a ``GlobalBatchLoader``:
+every step trains on the same 48 sequences whatever the number of processes (24 per process on 2, 16 on
+3), and its position in the epoch is saved with the checkpoint, so the resumed run trains on exactly the
+batches an uninterrupted one would have. The last command writes the whole model as one file that
+``safetensors.torch.load_file`` reads.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 from train_gpt import DATA_PATH, Block, CharDataset, CharGPT
 
-from lightning_shard import ShardStrategy
+from lightning_shard import GlobalBatchLoader, ShardStrategy
 
 GLOBAL_BATCH = 48
+SAVE_EVERY = 4  # optimizer steps between checkpoints; the commands above stop at multiples of it
 
 
 def main() -> None:
@@ -42,16 +44,25 @@ def main() -> None:
     L.seed_everything(1337)
 
     dataset = CharDataset(DATA_PATH.read_text(encoding="utf-8"), block_size=64)
-    loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // args.devices, shuffle=True, drop_last=True)
     model = CharGPT(vocab_size=dataset.vocab_size, n_layer=2, n_embd=64, n_head=4)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=ShardStrategy(auto_wrap_policy={Block}),  # state_dict_type="sharded" (the default)
         max_steps=args.max_steps,
-        callbacks=[ModelCheckpoint(dirpath=args.out, save_last=True, save_top_k=0), ReportStart()],
+        # Saved at the end of a step, which resumes mid-epoch; the save that ends a fit stopped by max_steps would
+        # have the resumed fit start a new epoch.
+        callbacks=[
+            ModelCheckpoint(dirpath=args.out, save_last=True, save_top_k=0, every_n_train_steps=SAVE_EVERY),
+            ReportStart(),
+        ],
         logger=False,
         enable_progress_bar=False,
+    )
+    # Built here, at the top level of a script that Lightning's launcher starts once per process, so the rank is
+    # given; inside LightningModule.train_dataloader() the loader would take it from the process group.
+    loader = GlobalBatchLoader(
+        dataset, global_batch_size=GLOBAL_BATCH, seed=1337, num_replicas=trainer.world_size, rank=trainer.global_rank
     )
     resume = str(Path(args.out) / "last.ckpt") if args.resume else None
     trainer.fit(model, train_dataloaders=loader, ckpt_path=resume)

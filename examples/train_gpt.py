@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_shard import ShardStrategy
+from lightning_shard import ShardStrategy, generate
 
 DATA_PATH = Path(__file__).resolve().parent / "data" / "tiny_text.txt"
 
@@ -209,7 +209,6 @@ class CharGPT(L.LightningModule):
 # ----------------------------------------------------------------------- sampling
 
 
-@torch.no_grad()
 def sample(
     model: nn.Module,
     dataset: CharDataset,
@@ -219,15 +218,12 @@ def sample(
     device: torch.device,
     seed: int = 0,
 ) -> str:
-    """Autoregressive sampling. In a sharded model every forward gathers weights with
-    collectives, so all ranks must run this loop together, with the same seed."""
-    generator = torch.Generator().manual_seed(seed)
+    """Autoregressive sampling with the weights kept sharded: every forward gathers them with
+    collectives, so all ranks call this together. ``generate`` keeps the ranks in step even when
+    they stop at different lengths; with the same seed they all draw the same text."""
+    generator = torch.Generator().manual_seed(seed)  # on the CPU: the same draws on any device
     idx = torch.tensor([dataset.encode(prompt)], dtype=torch.long, device=device)
-    for _ in range(num_chars):
-        logits = model(idx[:, -block_size:])
-        probs = F.softmax(logits[:, -1, :].float(), dim=-1).cpu()
-        next_id = torch.multinomial(probs, num_samples=1, generator=generator).to(device)
-        idx = torch.cat([idx, next_id], dim=1)
+    idx = generate(model, idx, num_chars, generator=generator, context_length=block_size)
     return dataset.decode(idx[0].tolist())
 
 
@@ -297,10 +293,8 @@ def main() -> None:
     print(f"rank {trainer.global_rank}: final loss {loss:.3f} | {report}", flush=True)
 
     # Sampling runs on all ranks (forward is collective); only rank 0 prints.
-    gpt = trainer.lightning_module.model
-    gpt.eval()
     text = sample(
-        gpt,
+        trainer.lightning_module,  # the sharded model: generate() switches it to eval mode and back
         dataset,
         prompt="TOBIAS:\n",
         num_chars=args.sample_chars,

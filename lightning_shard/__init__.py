@@ -12,7 +12,9 @@ from lightning_shard.checkpoint.consolidate import CheckpointSummary, consolidat
 from lightning_shard.checkpoint.export import ExportResult, export_hf
 from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.load import LoadResult, load_safetensors_into
+from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
 from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
+from lightning_shard.engine.full_params import summon_full_params
 from lightning_shard.engine.grad_scaler import ShardedGradScaler
 from lightning_shard.engine.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
 from lightning_shard.engine.mixed_precision import MixedPrecision
@@ -24,7 +26,9 @@ from lightning_shard.engine.policies import (
     SizeWrapPolicy,
 )
 from lightning_shard.engine.stall import StalledRanksError
+from lightning_shard.engine.wrapping import mark_unit
 from lightning_shard.fabric import ShardStrategy as _FabricShardStrategy
+from lightning_shard.generation import generate
 from lightning_shard.inference import load_from_checkpoint
 from lightning_shard.monitor import ShardMonitor
 from lightning_shard.trainer.precision import ShardPrecision
@@ -40,6 +44,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointSummary",
     "ExportResult",
+    "GlobalBatchLoader",
+    "GlobalBatchSampler",
     "LoadResult",
     "MemoryEstimate",
     "GradSync",
@@ -59,7 +65,10 @@ __all__ = [
     "consolidate",
     "estimate_memory",
     "export_hf",
+    "generate",
     "inspect",
     "load_from_checkpoint",
     "load_safetensors_into",
+    "mark_unit",
+    "summon_full_params",
 ]

@@ -3,6 +3,8 @@
     lightning-shard consolidate CKPT_DIR OUT.safetensors   # one model file, loadable with safetensors
     lightning-shard inspect CKPT_DIR                       # world size, step, tensors, checksum verification
     lightning-shard export CKPT_DIR OUT_DIR --format hf --prefix model. --config config.json  # from_pretrained
+    lightning-shard export CKPT_DIR OUT_DIR --format dcp         # what ModelParallelStrategy resumes from
+    lightning-shard convert last.ckpt CKPT_DIR --module my_pkg.models:LitGPT   # a DDP/FSDP .ckpt or a DCP directory
     lightning-shard estimate my_pkg.models:build_gpt --world-size 8 --wrap Block --precision bf16-mixed
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from lightning_shard.checkpoint.format import CheckpointError
 
@@ -33,10 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--precision", default="32-true")
     e.add_argument("--optimizer", default="adamw")
     e.add_argument("--cpu-offload", action="store_true", help="model state in CPU memory (cpu_offload=True)")
+    e.add_argument("--backend", default="nccl", help="the process group's backend: nccl (GPUs) or gloo (CPUs)")
     x = commands.add_parser("export", help="write a checkpoint's model in Hugging Face's save_pretrained layout")
     x.add_argument("checkpoint_dir")
     x.add_argument("output_dir")
-    x.add_argument("--format", choices=["hf"], default="hf", help="output layout (hf: sharded safetensors + index)")
+    x.add_argument("--format", choices=["hf", "dcp"], default="hf",
+                   help="output layout (hf: sharded safetensors + index; dcp: torch.distributed.checkpoint directory"
+                   " that ModelParallelStrategy resumes from, with the optimizer state)")
     x.add_argument(
         "--prefix", default="", help="the submodule whose keys are exported, without its name (e.g. 'model')"
     )
@@ -44,6 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 200MB or bytes")
     x.add_argument("--config", default=None, help="a config.json to copy into OUTPUT_DIR")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
+    x.add_argument("--weights", choices=["current", "averaged"], default="current",
+                   help="the model as trained, or the average a WeightAveraging callback kept (--format hf)")
+    v = commands.add_parser(
+        "convert", help="write a Lightning .ckpt (DDP, FSDP full) or a DCP directory as a lightning_shard checkpoint"
+    )
+    v.add_argument("source", help="a Lightning .ckpt file or a torch.distributed.checkpoint directory")
+    v.add_argument("output_dir")
+    v.add_argument("--module", default=None,
+                   help="module:callable building the LightningModule that wrote a .ckpt (a class gets the"
+                   " checkpoint's hyper_parameters), to name the parameters of its optimizer state")
+    v.add_argument("--overwrite", action="store_true", help="replace a checkpoint directory at OUTPUT_DIR")
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return _estimate(args)
@@ -52,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "consolidate":
             print(f"wrote {consolidate(args.checkpoint_dir, args.output)}")
             return 0
@@ -66,14 +85,62 @@ def main(argv: list[str] | None = None) -> int:
 def _export(args: argparse.Namespace) -> int:
     from lightning_shard.checkpoint.export import export_hf
 
+    if args.format == "dcp":
+        return _export_dcp(args)
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     result = export_hf(args.checkpoint_dir, args.output_dir, prefix=args.prefix, dtype=args.dtype,
-                       max_shard_size=size, config=args.config, overwrite=args.overwrite)
+                       max_shard_size=size, config=args.config, overwrite=args.overwrite, weights=args.weights)
     if result.skipped:
         print(f"note: {len(result.skipped)} keys without the prefix {args.prefix!r} were left out:"
               f" {', '.join(result.skipped)}")
     print(f"wrote {len(result.files)} weight files ({result.total_size / 2**20:.2f} MiB) to {result.output_dir}")
     return 0
+
+
+def _export_dcp(args: argparse.Namespace) -> int:
+    from lightning_shard.checkpoint.dcp_export import export_dcp
+
+    hf_only = [flag for flag, given in (("--prefix", args.prefix), ("--dtype", args.dtype), ("--config", args.config),
+                                        ("--max-shard-size", args.max_shard_size != "5GB"),
+                                        ("--weights", args.weights != "current")) if given]
+    if hf_only:
+        print(f"lightning-shard: {', '.join(hf_only)} only apply to --format hf; a DCP export writes the whole"
+              " checkpoint as it is.", file=sys.stderr)
+        return 2
+    result = export_dcp(args.checkpoint_dir, args.output_dir, overwrite=args.overwrite)
+    print(f"wrote {result.tensors} model tensors and {result.optimizers} optimizer states to {result.output_dir}")
+    if result.meta_types:
+        print(f"note: meta.pt holds {', '.join(result.meta_types)}, which torch.load(weights_only=True) refuses by"
+              " default: allow them with torch.serialization.add_safe_globals([...]) before resuming.")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from lightning_shard.checkpoint.convert import convert
+
+    module = None
+    if args.module is not None:
+        module = _load_callable(args.module, "module")
+        if module is None:
+            return 2
+    result = convert(args.source, args.output_dir, module=module, overwrite=args.overwrite)
+    print(f"converted {result.kind.value} ({result.tensors} model tensors, {result.optimizers} optimizer states)"
+          f" into {result.output}")
+    return 0
+
+
+def _load_callable(spec: str, what: str) -> Any:
+    """The callable ``module:attr`` names, or ``None`` after printing why it cannot be loaded."""
+    import importlib
+
+    module_name, colon, attr = spec.partition(":")
+    try:
+        if not colon or not attr:
+            raise ValueError("no ':callable' part")
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        print(f"lightning-shard: cannot load the {what} {spec!r} (module:callable): {err}", file=sys.stderr)
+        return None
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -96,7 +163,7 @@ def _estimate(args: argparse.Namespace) -> int:
         model = factory()
     try:
         report = estimate_memory(model, args.world_size, args.sharding_strategy, args.precision, args.optimizer,
-                                 auto_wrap_policy=args.wrap, cpu_offload=args.cpu_offload)
+                                 auto_wrap_policy=args.wrap, cpu_offload=args.cpu_offload, backend=args.backend)
     except ValueError as err:  # an option the estimate refuses: its message names the valid values
         print(f"lightning-shard: {err}", file=sys.stderr)
         return 2

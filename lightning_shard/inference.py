@@ -15,8 +15,11 @@ from typing import Any, TypeVar
 import lightning as L
 import torch
 
-from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, iter_index_tensors, model_ties, read_rows
+from lightning_shard.checkpoint.averaged import Weights, weights_prefix
+from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.index import iter_index_tensors, model_ties
 from lightning_shard.checkpoint.load import load_trainer_state
+from lightning_shard.checkpoint.reader import read_tensor
 
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
 MapLocation = str | torch.device | dict[str, str] | Callable[[Any, str], Any] | None
@@ -27,6 +30,7 @@ def load_from_checkpoint(
     checkpoint: str | Path,
     map_location: MapLocation = None,
     strict: bool = True,
+    weights: Weights = "current",
     **kwargs: Any,
 ) -> ModuleT:
     """Build ``module_class`` from the checkpoint's saved hyperparameters (``kwargs`` override them), run its
@@ -40,6 +44,8 @@ def load_from_checkpoint(
     ``strict``: a module key missing from the checkpoint, or a checkpoint key the module lacks, raises. Parameters
     that ``configure_model()`` leaves on the meta device are materialised with ``to_empty`` and filled from
     the checkpoint; one the checkpoint does not hold is an error whatever ``strict`` says.
+    ``weights``: ``"current"`` (the model as trained) or ``"averaged"`` (the average a ``WeightAveraging`` callback
+    kept during the fit; refused when the checkpoint holds none).
     """
     directory = Path(checkpoint)
     state, index = load_trainer_state(directory)
@@ -52,7 +58,7 @@ def load_from_checkpoint(
     meta = {k for k, t in module.state_dict(keep_vars=True).items() if t.is_meta}
     if meta:
         _to_empty_keeping_ties(module, device)
-    stored = dict(iter_index_tensors(index, MODEL_PREFIX))
+    stored = dict(iter_index_tensors(index, weights_prefix(index, weights, directory)))
     ties = model_ties(index)
     available = set(stored) | set(ties)
     own = module.state_dict(keep_vars=True)
@@ -73,9 +79,7 @@ def load_from_checkpoint(
         for key, target in own.items():
             if key not in available:
                 continue
-            entry = stored[ties.get(key, key)]
-            rows = entry["shape"][0] if entry["shape"] else 1
-            value = read_rows(directory, entry, 0, rows).reshape(entry["shape"])
+            value = read_tensor(stored[ties.get(key, key)])
             if tuple(target.shape) != tuple(value.shape):
                 raise RuntimeError(
                     f"{key}: the checkpoint holds shape {list(value.shape)}, {module_class.__name__} has"

@@ -20,6 +20,10 @@ joined: gloo would only give up after the process group's own timeout, 30 minute
 named as not reporting, as is every silent rank when the whole call exceeds ``timeout``. Then every
 worker of that world size is killed (a rank left inside a collective cannot be recovered) and
 ``RankFailure`` is raised with one ``RankOutcome`` per rank; the next call starts fresh workers.
+
+``simulate_rank`` runs one process as one rank of a simulated world of any size (the process group
+communicates nothing): to see what a rank holds and does at 1024 ranks without 1024 processes.
+``count_python_calls`` counts the Python work of a step, to check that it does not grow with the world.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Literal
 
 _POOLS: dict[int, _RankPool] = {}
 _POLL_S = 0.2  # how often a waiting parent looks for dead workers
@@ -252,3 +257,138 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Simulated world sizes #
+
+SimulatedBackend = Literal["gloo", "nccl"]
+_SIMULATED_BACKENDS: dict[str, str] = {"gloo": "fake_gloo", "nccl": "fake"}  # what the fake group is registered as
+
+
+@contextmanager
+def simulate_rank(world_size: int, rank: int = 0, *, backend: SimulatedBackend = "gloo") -> Iterator[None]:
+    """Run this process as rank ``rank`` of ``world_size`` ranks inside the block, with no other process.
+
+        with simulate_rank(world_size=1024, rank=0):
+            with torch.device("meta"):
+                model = GPT()
+            shard_model(model, auto_wrap_policy={Block}, device="cpu")
+            ...  # forward, backward, optimizer.step(): this rank's shards, buffers and Python work at 1024 ranks
+
+    The default process group is PyTorch's fake process group: it has the world size and rank given, and its
+    collectives complete at once without communicating, leaving their outputs as they are. So everything this rank
+    holds and does is as on a real rank of that world (the shard layout and padding, the buffers and their sizes,
+    the memory, the Python work, the order of collectives), but values that would come from other ranks are not
+    there: the gathered weights hold this rank's rows only, reduced gradients are this rank's own. Measure sizes
+    and work with it, never numbers. ``backend`` says whose collective paths the engine takes: ``"gloo"`` (CPU
+    tensors: point-to-point exchanges for small shard groups, see [Note: Python work per collective]) or
+    ``"nccl"`` (the flat collectives, here on CPU tensors).
+
+    Object collectives act as if every rank passed this rank's objects: ``broadcast_object_list`` leaves the list
+    as it is on every rank (as on the source), ``all_gather_object`` and ``gather_object`` give copies of this
+    rank's object for every rank. ``scatter_object_list`` on a rank other than the source raises: what the source
+    would scatter exists nowhere. Raises ``RuntimeError`` if a process group exists already (the simulated one
+    becomes the default group, and is destroyed when the block ends).
+    """
+    import torch.distributed as dist
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"simulate_rank(world_size=...) takes a positive int, got {world_size!r}.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"simulate_rank(rank=...) takes an int in [0, {world_size}), got {rank!r}.")
+    if backend not in _SIMULATED_BACKENDS:
+        raise ValueError(f"simulate_rank(backend=...) takes one of {sorted(_SIMULATED_BACKENDS)}, got {backend!r}.")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "simulate_rank() makes the simulated process group the default one, but a process group already exists"
+            " in this process (inside run_on_ranks, or after init_process_group). Simulate in a process of its own,"
+            " or call torch.distributed.destroy_process_group() first."
+        )
+    store = _register_fake_backends()
+    dist.init_process_group(_SIMULATED_BACKENDS[backend], store=store, rank=rank, world_size=world_size)
+    originals = {name: getattr(dist, name) for name in _OBJECT_COLLECTIVES}
+    for name, substitute in _OBJECT_COLLECTIVES.items():
+        setattr(dist, name, substitute)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def count_python_calls(fn: Callable[[], Any]) -> int:
+    """How many Python functions and builtins ``fn()`` calls (``sys.setprofile``'s call events on this thread,
+    which runs a CPU backward too): a measure of Python work that, unlike time, does not depend on the machine."""
+    import sys
+
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(previous)
+    return calls
+
+
+def _register_fake_backends() -> Any:
+    """Register PyTorch's fake process group under the names ``_SIMULATED_BACKENDS`` uses (once a process); return
+    a store for it. ``fake_gloo``'s name contains "gloo", so the engine takes gloo's collective paths on it."""
+    import torch.distributed as dist
+
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+    except ImportError as err:  # pragma: no cover - present in every supported torch
+        raise RuntimeError(f"simulate_rank() needs PyTorch's fake process group, missing in this torch: {err}") from err
+    if not hasattr(dist.Backend, "FAKE_GLOO"):
+        dist.Backend.register_backend("fake_gloo", _create_fake_pg, extended_api=True, devices=["cpu"])
+    return FakeStore()
+
+
+def _broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None, **kwargs: Any) -> None:
+    """Every rank holds what the source holds: this rank's objects, which stay as they are."""
+
+
+def _all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    import copy
+
+    object_list[:] = [copy.deepcopy(obj) for _ in object_list]
+
+
+def _gather_object(obj: Any, object_gather_list: list[Any] | None = None, *args: Any, **kwargs: Any) -> None:
+    import copy
+
+    if object_gather_list is not None:
+        object_gather_list[:] = [copy.deepcopy(obj) for _ in object_gather_list]
+
+
+def _scatter_object_list(
+    scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None, src: int | None = None,
+    **kwargs: Any,
+) -> None:
+    import torch.distributed as dist
+
+    if src is None:
+        src = kwargs.get("group_src", 0)
+    if dist.get_rank() != src or scatter_object_input_list is None:
+        raise RuntimeError(
+            f"scatter_object_list() on simulated rank {dist.get_rank()}: the objects rank {src} would scatter exist on"
+            " no rank of a simulated world. Simulate the source rank, or pass the object to this rank directly."
+        )
+    scatter_object_output_list[0] = scatter_object_input_list[dist.get_rank()]
+
+
+_OBJECT_COLLECTIVES: dict[str, Callable[..., None]] = {
+    "broadcast_object_list": _broadcast_object_list,
+    "all_gather_object": _all_gather_object,
+    "gather_object": _gather_object,
+    "scatter_object_list": _scatter_object_list,
+}

@@ -237,6 +237,28 @@ def fabric_refusals(rank: int, world_size: int) -> dict[str, str]:
     return messages
 
 
+def fabric_load_raw_refusals(rank: int, world_size: int, tmp: str) -> dict[str, dict[str, Any]]:
+    """``fabric.load_raw`` of ``torch.save`` files (zip and legacy pickle) and into an optimizer: each error's
+    message and the built-in exception types it is an instance of, as this rank saw them."""
+    fabric = make_fabric(FabricRun(), world_size)
+    model = fabric.setup_module(TinyGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    state = {k: v.detach().clone() for k, v in TinyGPT().state_dict().items()}
+    if rank == 0:
+        torch.save(state, f"{tmp}/model.pt")
+        torch.save(state, f"{tmp}/legacy.pt", _use_new_zipfile_serialization=False)
+    fabric.barrier()
+    errors: dict[str, dict[str, Any]] = {}
+    cases = [("zip", model, "model.pt"), ("legacy", model, "legacy.pt"), ("optimizer", optimizer, "model.pt")]
+    for name, target, path in cases:
+        try:
+            fabric.load_raw(f"{tmp}/{path}", target)
+        except Exception as err:  # noqa: BLE001 - the message and type are what the test checks
+            kinds = [k.__name__ for k in (ValueError, NotImplementedError, RuntimeError) if isinstance(err, k)]
+            errors[name] = {"message": str(err), "is": kinds}
+    return errors
+
+
 class _TwinModule(L.LightningModule):
     """The Fabric loop of ``fabric_fit`` (one micro-batch a step, no clipping) as a LightningModule."""
 

@@ -509,7 +509,8 @@ def test_resume_on_every_rank_equals_the_uninterrupted_run(interrupted: dict[str
 
 def test_checkpoints_hold_rank_0s_buffers(interrupted: dict[str, Any]) -> None:
     """DDP checkpoints hold rank 0's module state; so do both layouts here (read back through safetensors)."""
-    from lightning_shard.checkpoint.format import iter_index_tensors, read_index, read_rows
+    from lightning_shard.checkpoint.index import iter_index_tensors, read_index
+    from lightning_shard.checkpoint.reader import read_tensor
 
     for layout, run in interrupted["runs"].items():
         directory = interrupted["root"] / layout / "epoch=0.ckpt"
@@ -520,5 +521,5 @@ def test_checkpoints_hold_rank_0s_buffers(interrupted: dict[str, Any]) -> None:
         assert not torch.equal(rank0[key], run[1]["buffers"][2][key])  # rank 1's differ: whose is saved shows
         for name, value in rank0.items():
             entry = stored[name]
-            saved = read_rows(directory, entry, 0, entry["shape"][0] if entry["shape"] else 1).reshape(value.shape)
+            saved = read_tensor(entry).reshape(value.shape)
             torch.testing.assert_close(saved, value, msg=f"{layout}: {name}")

@@ -40,7 +40,10 @@ def test_directory_holds_only_safetensors_and_json(saved: dict) -> None:
                      "trainer_state.json", "trainer_state.safetensors"]
     index = json.loads((saved["ckpt"] / INDEX_FILE).read_text())
     entry = index["tensors"]["model/model.wte.weight"]
-    assert entry["shape"] == [37, 16] and [p["rows"] for p in entry["pieces"]] == [[0, 19], [19, 37]]
+    assert entry == {"shape": [37, 16], "dtype": "float32", "split": "rows"}  # rows by the shard rule: 19 + 18
+    assert index["shard_files"] == ["shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    rows = [load_file(str(saved["ckpt"] / name))["model/model.wte.weight"].shape for name in index["shard_files"]]
+    assert rows == [(19, 16), (18, 16)]
     assert index["ties"] == {"model/model.lm_head.weight": "model/model.wte.weight"}
 
 

@@ -93,7 +93,7 @@ def test_command_names_a_directory_that_is_not_a_checkpoint(tmp_path: Path, caps
 
 def test_command_refuses_an_unknown_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _command(capsys, "merge")
-    expected = "invalid choice: 'merge' (choose from 'consolidate', 'inspect', 'estimate', 'export')"
+    expected = "invalid choice: 'merge' (choose from 'consolidate', 'inspect', 'estimate', 'export', 'convert')"
     assert code == 2 and expected in err, err
 
 

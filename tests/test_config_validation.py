@@ -9,6 +9,7 @@ Trainer and Fabric here: had the check not raised first, they would have created
 
 from __future__ import annotations
 
+import importlib
 from datetime import timedelta
 from typing import Any
 
@@ -130,6 +131,20 @@ def test_a_valid_configuration_is_accepted_on_both_front_ends() -> None:
     )
     for cls in FRONT_ENDS.values():
         assert cls(**kwargs).options.device_mesh == (1, 2)
+
+
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_the_constructor_type_hints_resolve_at_runtime(front: str) -> None:
+    """``typing.get_type_hints`` (what LightningCLI and jsonargparse read) resolves every annotation of ``__init__``."""
+    import inspect
+    import typing
+
+    init = FRONT_ENDS[front].__init__
+    hints = typing.get_type_hints(init)
+    assert set(inspect.signature(init).parameters) - {"self"} <= set(hints)
+    accelerators = {"trainer": "lightning.pytorch.accelerators", "fabric": "lightning.fabric.accelerators"}
+    accelerator = importlib.import_module(accelerators[front]).Accelerator
+    assert hints["accelerator"] == accelerator | None
 
 
 class _Tiny(L.LightningModule):

@@ -8,6 +8,7 @@ blocks that build a Trainer and call ``fit`` run quickly in one process; the Tra
 construction, and every other line, run for real. A ``Fabric`` runs for real too, in this one process:
 it is built with ``devices=1`` (the only change), so a Fabric block trains, saves and loads at world size 1.
 A block that initialises the process group itself finds the environment ``torchrun`` would set for one rank.
+``dataset`` is the map-style dataset behind ``loader`` (96 pairs of (tokens, next tokens)).
 
 Every YAML block is a LightningCLI config; it is built with ``LightningCLI(run=False)`` and the test model, so the
 Trainer and the strategy it names are really constructed. A block that names a GPU accelerator is built with
@@ -29,7 +30,7 @@ import yaml
 from torch import nn
 
 from tests.jobs import free_port
-from tests.models import GPTBlock, LitModel, TinyGPT, loader
+from tests.models import GPTBlock, LitModel, TinyGPT, loader, make_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -79,7 +80,8 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     lightning.__dict__.update(L.__dict__ | {"Fabric": _OneProcessFabric})
     monkeypatch.setitem(__import__("sys").modules, "lightning", lightning)
     yield {"L": lightning, "torch": torch, "nn": nn, "F": F, "Block": GPTBlock, "build_gpt": TinyGPT,
-           "model": LitModel("gpt"), "datamodule": _Data(), "loader": loader("gpt"), "__name__": "__doc_snippet__"}
+           "model": LitModel("gpt"), "datamodule": _Data(), "loader": loader("gpt"),
+           "dataset": make_dataset("gpt"), "__name__": "__doc_snippet__"}
     if dist.is_initialized():  # a Fabric block initialised a one-rank process group in this process
         dist.destroy_process_group()
     signal.signal(signal.SIGTERM, sigterm_handler)

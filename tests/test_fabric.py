@@ -13,6 +13,7 @@ from tests.fabric_fits import (
     FabricRun,
     fabric_fit,
     fabric_lit_module,
+    fabric_load_raw_refusals,
     fabric_refusals,
     fabric_surface,
     fabric_with_another_checkpoint_io,
@@ -110,6 +111,20 @@ def test_misuse_is_refused_on_every_rank_with_what_to_do() -> None:
         for name, fragment in expected.items():
             assert fragment in messages.get(name, "<not raised>"), (rank, name, messages.get(name))
         assert messages["unchanged"] == "True", rank  # error_if_nonfinite: raised before any change
+
+
+def test_load_raw_names_a_torch_save_file_a_refused_pickle_and_refuses_an_optimizer_as_fsdp_does(
+    tmp_path: Path,
+) -> None:
+    for errors in run_on_ranks(fabric_load_raw_refusals, 2, str(tmp_path)):
+        for kind, file in (("zip", "model.pt"), ("legacy", "legacy.pt")):
+            message = errors[kind]["message"]
+            assert f"{tmp_path / file} is a pickle (the torch.save format" in message, message
+            assert "never loads pickles, because unpickling a file can run arbitrary code" in message
+            assert "safetensors.torch.save_file" in message and "damaged" not in message
+        # Lightning's FSDPStrategy raises NotImplementedError; ShardStrategy raised ValueError: both clauses catch it.
+        assert errors["optimizer"]["is"] == ["ValueError", "NotImplementedError", "RuntimeError"]
+        assert "fabric.load_raw(path, optimizer) is not supported" in errors["optimizer"]["message"]
 
 
 @pytest.mark.parametrize(

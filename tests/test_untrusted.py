@@ -25,6 +25,7 @@ from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
 from lightning_shard.checkpoint.load import _safetensors_tensors
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
 from tests.checkpoint_fits import fit
+from tests.checkpoint_scaling_fits import FIXTURE_V1
 
 SHARD1 = "shard-00001-of-00002.safetensors"
 HUGE = 10**8  # elements: far beyond any tensor of the test model
@@ -55,10 +56,7 @@ def _move_shard_out(ckpt: Path, outside: Path, name: str) -> None:
 
     def rename(index: dict[str, Any]) -> None:
         index["files"][name] = index["files"].pop(SHARD1)
-        for entry in index["tensors"].values():
-            for piece in entry["pieces"]:
-                if piece["file"] == SHARD1:
-                    piece["file"] = name
+        index["shard_files"] = [name if file == SHARD1 else file for file in index["shard_files"]]
 
     _edit_index(ckpt, rename)
 
@@ -143,38 +141,53 @@ def test_symlink_out_of_the_directory_is_refused_on_every_rank(tmp_path: Path, s
 def test_absurd_optimizer_state_shape_is_refused_before_any_allocation(tmp_path: Path, saved: Path) -> None:
     ckpt = _copy(saved, tmp_path / "bad")
     key = "optimizer/0/model.wte.weight/exp_avg"
-
-    def absurd(index: dict[str, Any]) -> None:
-        entry = index["tensors"][key]
-        entry["shape"] = [10**12]
-        entry["pieces"] = [{**entry["pieces"][0], "rows": [0, 10**12]}]
-
-    _edit_index(ckpt, absurd)
+    _edit_index(ckpt, lambda index: index["tensors"][key].update(shape=[10**12]))  # split over the 2 shard files
     _refused_on_every_rank(
-        ckpt, tmp_path / "out",
-        rf"rows \[0, 1000000000000\] of tensor '{re.escape(key)}', holds shape \[19, 16\] .* claims shape \[10+\]",
+        ckpt, tmp_path / "out", rf"{re.escape(key)}: checkpoint \(1000000000000,\), model \(37, 16\)",
     )
+
+
+def test_absurd_model_shape_is_refused_by_consolidate_before_any_allocation(
+    tmp_path: Path, saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = _copy(saved, tmp_path / "bad")
+    key = "model/model.wte.weight"
+    _edit_index(ckpt, lambda index: index["tensors"][key].update(shape=[10**12, 16]))
+    real = torch.empty
+
+    def guarded(*size: Any, **kwargs: Any) -> torch.Tensor:
+        shape = kwargs.get("size", size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+        assert math.prod(int(d) for d in shape) <= HUGE, f"an allocation of shape {tuple(shape)} was attempted"
+        return real(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", guarded)
+    pattern = rf"shard-00000-of-00002\.safetensors: '{re.escape(key)}', rows \[0, 500000000000\] of .* holds shape"
+    with pytest.raises(CheckpointError, match=pattern):
+        consolidate(ckpt, tmp_path / "m.safetensors")
 
 
 def test_piece_claiming_rows_its_file_lacks_is_refused_on_every_rank(tmp_path: Path, saved: Path) -> None:
     ckpt = _copy(saved, tmp_path / "bad")
     key = "model/model.wte.weight"
-
-    def shift(index: dict[str, Any]) -> None:  # same total, but piece 0 now claims 20 rows of a 19-row tensor
-        first, second = index["tensors"][key]["pieces"]
-        first["rows"], second["rows"] = [0, 20], [20, 37]
-
-    _edit_index(ckpt, shift)
+    whole = {"shape": [37, 16], "dtype": "float32", "file": "shard-00000-of-00002.safetensors", "key": key}
+    _edit_index(ckpt, lambda index: index["tensors"].update({key: whole}))  # all 37 rows, where 19 are
     _refused_on_every_rank(
         ckpt, tmp_path / "out",
-        rf"shard-00000-of-00002\.safetensors: .*rows \[0, 20\] of tensor '{re.escape(key)}', holds shape \[19, 16\]",
+        rf"shard-00000-of-00002\.safetensors: .*rows \[0, 37\] of tensor '{re.escape(key)}', holds shape \[19, 16\]",
     )
 
 
-def test_overlapping_pieces_are_refused(tmp_path: Path, saved: Path) -> None:
-    ckpt = _copy(saved, tmp_path / "bad")
-    _edit_index(ckpt, lambda index: index["tensors"]["model/model.wte.weight"]["pieces"][1].update(rows=[18, 36]))
-    with pytest.raises(CheckpointError, match=r"'model/model\.wte\.weight' .*rows \[18, 36\) overlaps"):
+def test_a_split_beyond_the_shard_files_is_refused(tmp_path: Path, saved: Path) -> None:
+    ckpt = _copy(saved, tmp_path / "bad")  # the mesh claims one shard file per row of a 37-row tensor
+    _edit_index(ckpt, lambda index: index.update(world_size=37, mesh={"replicas": 1, "shard_size": 37}))
+    with pytest.raises(CheckpointError, match=r"is split over \d+ shards but 'shard_files' names 2 files"):
+        consolidate(ckpt, tmp_path / "m.safetensors")
+
+
+def test_overlapping_pieces_of_a_version_1_index_are_refused(tmp_path: Path) -> None:
+    ckpt = _copy(FIXTURE_V1, tmp_path / "bad")
+    _edit_index(ckpt, lambda index: index["tensors"]["model/embed.weight"]["pieces"][1].update(rows=[2, 5]))
+    with pytest.raises(CheckpointError, match=r"'model/embed\.weight' .*rows \[2, 5\) overlaps"):
         consolidate(ckpt, tmp_path / "m.safetensors")
 
 
@@ -215,8 +228,8 @@ def _first_file(edit: Any) -> Any:
     return lambda index: edit(next(iter(index["files"].values())))
 
 
-def _first_piece(edit: Any) -> Any:
-    return lambda index: edit(next(iter(index["tensors"].values()))["pieces"][0])
+def _first_entry(where: str, edit: Any) -> Any:
+    return lambda index: edit(next(e for e in index["tensors"].values() if where in e))
 
 
 DAMAGED_INDEXES = {
@@ -234,8 +247,12 @@ DAMAGED_INDEXES = {
                                   r"optimizer 0's 'scalar_param_states' must map parameter names"),
     "dtype is a list": (lambda index: next(iter(index["tensors"].values())).__setitem__("dtype", ["float32"]),
                         r"has a malformed entry"),
-    "piece file is a list": (_first_piece(lambda p: p.__setitem__("file", [p["file"]])), r"has a malformed piece"),
-    "crc32 is a string": (_first_piece(lambda p: p.__setitem__("crc32", "abc")), r"has a malformed piece"),
+    "whole tensor's file is a list": (_first_entry("file", lambda e: e.__setitem__("file", [e["file"]])),
+                                      r"has a malformed entry"),
+    "unknown split": (_first_entry("split", lambda e: e.__setitem__("split", "columns")), r"has a malformed entry"),
+    "shard files not a list": (_set("shard_files", "shard-00000-of-00002.safetensors"),
+                               r"'shard_files' must list files of its 'files' table"),
+    "mesh not covering the world": (_set("world_size", 3), r"its mesh .* does not cover its world size 3"),
 }
 
 

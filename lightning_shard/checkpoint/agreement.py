@@ -1,8 +1,10 @@
 """Every rank agrees: a step that can fail on some ranks is raised on all of them, never left waiting.
 
 The checkpoint readers and writers, and both front ends, run each step that touches files through
-``agree``: the ranks exchange one small record each, so a damaged file or a full disk on one rank
-stops every rank with the same ``CheckpointError`` instead of leaving the others in a collective.
+``agree``: the ranks all-reduce one flag (did this step fail anywhere?), and only when it did do they
+exchange their error messages, so a damaged file or a full disk on one rank stops every rank with the
+same ``CheckpointError`` instead of leaving the others in a collective. A step that succeeds everywhere
+costs one 4-byte all-reduce, whatever the world size.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from lightning_shard.checkpoint.format import CheckpointError
@@ -22,8 +25,8 @@ T = TypeVar("T")
 def agree(fn: Callable[[], T], group: Any = None) -> T:
     """Run ``fn`` on every rank; if it raised on any rank, raise on all of them (naming the ranks and errors).
 
-    The ranks exchange one small record each (over ``group``, the default group when ``None``), so a failure on
-    one rank never leaves the others waiting in a collective.
+    The ranks all-reduce one failure flag (over ``group``, the default group when ``None``), then exchange their
+    errors only if some rank failed, so a failure on one rank never leaves the others waiting in a collective.
     """
     error: str | None = None
     result: Any = None
@@ -33,10 +36,9 @@ def agree(fn: Callable[[], T], group: Any = None) -> T:
         error = str(err)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = f"{type(err).__name__}: {err}"
-    errors = gather_records(error, group)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
+    if _failed_anywhere(error is not None, group):
+        errors = _all_gather(error, group)
+        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None))
     return result
 
 
@@ -50,12 +52,37 @@ def broadcast_str(value: str) -> str:
     return box[0]
 
 
-def gather_records(records: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``records``, in rank order (``agree`` returns only this rank's; an index needs all). Collective
-    over ``group`` (the default group when ``None``)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [records]
-    out: list[Any] = [None] * dist.get_world_size()
+def gather_on_first_rank(record: Any, group: Any = None) -> list[Any] | None:
+    """Every rank's ``record``, in rank order, on the group's first rank (the one that writes an index); ``None`` on
+    the others, which send their record and receive nothing. Collective over ``group`` (the default group when
+    ``None``)."""
+    if not _distributed(group):
+        return [record]
+    first = dist.get_rank(group) == 0
+    out: list[Any] | None = [None] * dist.get_world_size(group) if first else None
+    with watching(RECORD.enter("checkpoint records to rank 0")):
+        dist.gather_object(record, out, group=group, group_dst=0)
+    return out
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _failed_anywhere(failed: bool, group: Any) -> bool:
+    if not _distributed(group):
+        return failed
+    on_gpu = dist.get_backend(group) == "nccl"
+    flag = torch.tensor([int(failed)], dtype=torch.int32, device="cuda" if on_gpu else "cpu")
     with watching(RECORD.enter("checkpoint agreement")):
-        dist.all_gather_object(out, records, group=group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def _all_gather(error: str | None, group: Any) -> list[str | None]:
+    if not _distributed(group):
+        return [error]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    with watching(RECORD.enter("checkpoint errors")):
+        dist.all_gather_object(out, error, group=group)
     return out

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.save import PreparedSave, StateDictType, _ShardedWriter, prepare_save
+from lightning_shard.checkpoint.storage import Location
 from lightning_shard.engine.sharded_module import ShardedModule
 
 
@@ -58,7 +58,7 @@ class BackgroundSaver:
         module: nn.Module,
         optimizers: Sequence[Optimizer],
         checkpoint: dict[str, Any],
-        path: Path,
+        path: Location,
         layout: StateDictType,
     ) -> None:
         """Start writing ``checkpoint`` at ``path`` in the background, after the previous save has finished (whose

@@ -1,12 +1,15 @@
 """Offline tools on checkpoint directories: consolidate into one model file, and inspect/verify.
 
 No process group is needed, and memory stays bounded by the largest tensor: each full tensor is
-assembled from its pieces and streamed into the output file before the next one is read.
+assembled from its pieces and streamed into the output file before the next one is read. Each file's
+header is read once (``CheckpointFiles``) and files stay open across tensors (``FileHandles``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,16 +19,18 @@ from lightning_shard.checkpoint.format import (
     MODEL_PREFIX,
     TRAINER_STATE_JSON,
     CheckpointError,
-    crc32,
-    dtype_from_name,
-    iter_index_tensors,
-    model_ties,
-    read_index,
+    CheckpointFiles,
+    dtype_name,
+    member_named,
     read_json_member,
-    read_rows,
-    require_complete,
 )
+from lightning_shard.checkpoint.index import iter_index_tensors, model_ties, read_index
+from lightning_shard.checkpoint.layout import Piece, StoredTensor, check_piece, require_complete
+from lightning_shard.checkpoint.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.storage import Location, RemoteDirectory, is_url, location
 from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
+
+_BLOCK_BYTES = 16 * 2**20  # verify reads a piece in blocks of at most this size
 
 
 def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
@@ -35,9 +40,9 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
     alias to the stored key). The result loads with ``safetensors.torch.load_file``. An existing file at ``output``
     is replaced; a path inside the checkpoint or a directory is refused.
     """
-    directory, output = Path(checkpoint_dir), Path(output)
+    directory, output = _source(checkpoint_dir), Path(output)
     index = read_index(directory)
-    if output.resolve().is_relative_to(directory.resolve()):
+    if isinstance(directory, Path) and output.resolve().is_relative_to(directory.resolve()):
         raise CheckpointError(
             f"The consolidated file {output} would be written inside the checkpoint {directory}, whose files it"
             " could replace: write it elsewhere."
@@ -47,14 +52,14 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
     require_complete(directory, index["tensors"])
     model = list(iter_index_tensors(index, MODEL_PREFIX))
     ties = model_ties(index)
-    specs = [(key, dtype_from_name(e["dtype"]), tuple(e["shape"])) for key, e in model]
+    specs = [(key, e.dtype, e.shape) for key, e in model]
     metadata = {"format": FORMAT_NAME, "ties": json.dumps(ties)}
     tmp = output.with_name(f".{output.name}.tmp")
     writer = SafetensorsStreamWriter(tmp, specs, metadata=metadata)
     try:
-        for key, entry in model:
-            rows = entry["shape"][0] if entry["shape"] else 1
-            writer.write(key, read_rows(directory, entry, 0, rows).reshape(entry["shape"]))
+        with FileHandles() as handles:
+            for key, entry in model:
+                writer.write(key, read_tensor(entry, handles))
         writer.close()
     except BaseException:
         writer.close_quietly()
@@ -68,7 +73,7 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
 class CheckpointSummary:
     """What ``lightning-shard inspect`` reports."""
 
-    directory: Path
+    directory: Path | RemoteDirectory
     state_dict_type: str
     world_size: int
     mesh: dict[str, int]
@@ -91,12 +96,16 @@ class CheckpointSummary:
 
 def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummary:
     """Summarise a checkpoint directory; with ``verify``, check every file's SHA-256 and every piece's CRC-32."""
-    directory = Path(checkpoint_dir)
+    directory = _source(checkpoint_dir)
     index = read_index(directory)
     require_complete(directory, index["tensors"])
-    state = read_json_member(directory, TRAINER_STATE_JSON)
+    files = CheckpointFiles(directory, {name: info["size"] for name, info in index["files"].items()})
+    for name in index["files"]:  # each a regular file of its recorded size (a missing or truncated one is named)
+        files.check(name)
+    state_json = member_named(index["files"], TRAINER_STATE_JSON)
+    state = read_json_member(directory, state_json)
     if not isinstance(state, dict):
-        raise CheckpointError(f"{directory / TRAINER_STATE_JSON} holds a {type(state).__name__}, not an object.")
+        raise CheckpointError(f"{directory / state_json} holds a {type(state).__name__}, not an object.")
     problems: list[str] = []
     if verify:
         problems = _verify(directory, index)
@@ -107,28 +116,83 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
         mesh=index["mesh"],
         epoch=state.get("epoch"),
         global_step=state.get("global_step"),
-        tensors={k: (e["shape"], e["dtype"]) for k, e in index["tensors"].items()},
+        tensors={k: (list(e.shape), dtype_name(e.dtype)) for k, e in index["tensors"].items()},
         total_bytes=sum(f["size"] for f in index["files"].values()),
         problems=problems,
     )
 
 
-def _verify(directory: Path, index: dict[str, Any]) -> list[str]:
-    from safetensors import safe_open
+def _source(checkpoint_dir: str | Path) -> Location:
+    """The checkpoint to read: a local directory, or a URL (``s3://...``, credentials from the environment)."""
+    return location(checkpoint_dir) if is_url(checkpoint_dir) else Path(checkpoint_dir)
 
-    problems = [
-        f"{name}: SHA-256 differs from the index" for name, info in index["files"].items()
-        if sha256_file(directory / name) != info["sha256"]
-    ]
-    for key, entry in index["tensors"].items():
-        for piece in entry["pieces"]:
-            try:
-                with safe_open(str(directory / piece["file"]), framework="pt") as f:
-                    data = f.get_tensor(piece["key"])
-                if crc32(data) != piece["crc32"]:
-                    problems.append(f"{piece['file']}: {key} rows {piece['rows']} fail their CRC-32")
-            except Exception as err:  # noqa: BLE001 - reported, not raised
-                problems.append(f"{piece['file']}: cannot read {key}: {err}")
+
+def _sha256(directory: Location, name: str) -> str:
+    if isinstance(directory, Path):
+        return sha256_file(directory / name)
+    digest = hashlib.sha256()
+    with directory.open(name) as f:
+        while block := f.read(_BLOCK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verify(directory: Location, index: dict[str, Any]) -> list[str]:
+    """Every file's SHA-256, and every piece against its file's header and its CRC-32: each file read once, in
+    blocks, its digest and its pieces' checksums computed from the same bytes (its header read once as well)."""
+    by_file: dict[str, list[tuple[StoredTensor, Piece]]] = {}
+    for entry in index["tensors"].values():
+        for piece in entry.pieces():
+            by_file.setdefault(piece.file, []).append((entry, piece))
+    problems = []
+    for name, info in index["files"].items():
+        try:
+            digest, found = _verify_file(directory, name, by_file.get(name, []))
+        except Exception as err:  # noqa: BLE001 - reported, not raised
+            digest, found = None, [f"{name}: cannot be read: {err}"]
+        if digest is not None and digest != info["sha256"]:
+            problems.append(f"{name}: SHA-256 differs from the index")
+        problems += found
     if not index["tensors"]:
         raise CheckpointError(f"{directory} holds no tensors.")
     return problems
+
+
+def _verify_file(
+    directory: Location, name: str, pieces: list[tuple[StoredTensor, Piece]]
+) -> tuple[str | None, list[str]]:
+    """The SHA-256 of ``name`` and the problems of its ``pieces``, from one pass over its bytes."""
+    if not pieces:
+        return _sha256(directory, name), []
+    problems: list[str] = []
+    files = pieces[0][0].files
+    header = files.header(name)
+    spans = []  # (first byte, end, the piece's position, its CRC-32): each piece a whole tensor of the file
+    for position, (entry, piece) in enumerate(pieces):
+        try:
+            expected = check_piece(entry, piece, header)
+        except CheckpointError as err:
+            problems.append(f"{name}: {entry.key}: {err}")
+            continue
+        info = header.entries[piece.key]
+        spans.append((header.data_start + info.begin, header.data_start + info.end, position, expected))
+    spans.sort(key=lambda span: span[:3])
+    crcs = [0] * len(pieces)
+    digest = hashlib.sha256()
+    with files.open(name) as f:
+        at, first = 0, 0  # where the block starts; the first span not yet behind it
+        while block := f.read(_BLOCK_BYTES):
+            digest.update(block)
+            end = at + len(block)
+            while first < len(spans) and spans[first][1] <= at:
+                first += 1
+            for lo, hi, position, _ in spans[first:]:
+                if lo >= end:
+                    break
+                crcs[position] = zlib.crc32(block[max(lo, at) - at : min(hi, end) - at], crcs[position])
+            at = end
+    for _, _, position, expected in spans:
+        if expected is not None and crcs[position] != expected:
+            entry, piece = pieces[position]
+            problems.append(f"{name}: {entry.key} rows {[piece.lo, piece.hi]} fail their CRC-32")
+    return digest.hexdigest(), problems

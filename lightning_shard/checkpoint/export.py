@@ -22,15 +22,11 @@ from typing import Any
 
 import torch
 
-from lightning_shard.checkpoint.format import (
-    MODEL_PREFIX,
-    CheckpointError,
-    dtype_from_name,
-    iter_index_tensors,
-    read_index,
-    read_rows,
-    submodule_prefix,
-)
+from lightning_shard.checkpoint.averaged import Weights, weights_prefix
+from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, submodule_prefix
+from lightning_shard.checkpoint.index import iter_index_tensors, read_index
+from lightning_shard.checkpoint.layout import StoredTensor, check_piece, require_complete
+from lightning_shard.checkpoint.reader import FileHandles, read_rows
 from lightning_shard.checkpoint.writer import SafetensorsStreamWriter
 
 _BLOCK_BYTES = 16 * 2**20  # rows are read and written in blocks of at most this size
@@ -56,6 +52,7 @@ def export_hf(
     max_shard_size: int | str = "5GB",
     config: str | Path | None = None,
     overwrite: bool = False,
+    weights: Weights = "current",
 ) -> ExportResult:
     """Write the model of ``checkpoint`` (not the optimizer) to ``output_dir`` in Hugging Face's layout.
 
@@ -66,7 +63,8 @@ def export_hf(
     (``"bfloat16"``, ``"float16"``, ``"float32"``) casts floating-point tensors. ``config`` is a ``config.json``
     copied in (with ``dtype`` given, its ``dtype``/``torch_dtype`` entry says the new dtype, so ``from_pretrained``
     with ``dtype="auto"`` loads the weights as written).
-    A non-empty existing ``output_dir`` is refused unless ``overwrite``.
+    A non-empty existing ``output_dir`` is refused unless ``overwrite``. ``weights``: ``"current"`` (the model as
+    trained) or ``"averaged"`` (the average a ``WeightAveraging`` callback kept during the fit).
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -78,9 +76,10 @@ def export_hf(
     if config is not None and not Path(config).is_file():
         raise CheckpointError(f"Export config file {config} does not exist.")
     index = read_index(directory)
-    entries: dict[str, dict[str, Any]] = {}
+    require_complete(directory, index["tensors"])
+    entries: dict[str, StoredTensor] = {}
     skipped: list[str] = []
-    for key, entry in iter_index_tensors(index, MODEL_PREFIX):
+    for key, entry in iter_index_tensors(index, weights_prefix(index, weights, directory)):
         if key.startswith(prefix):
             entries[key[len(prefix) :]] = entry
         else:
@@ -93,11 +92,11 @@ def export_hf(
         if alias.removeprefix(MODEL_PREFIX).startswith(prefix) and stored.removeprefix(MODEL_PREFIX).startswith(prefix)
     }
 
-    def out_dtype(entry: dict[str, Any]) -> torch.dtype:
-        stored = dtype_from_name(entry["dtype"])
+    def out_dtype(entry: StoredTensor) -> torch.dtype:
+        stored = entry.dtype
         return target_dtype if target_dtype is not None and stored.is_floating_point else stored
 
-    meta = {k: torch.empty(e["shape"], dtype=out_dtype(e), device="meta") for k, e in entries.items()}
+    meta = {k: torch.empty(e.shape, dtype=out_dtype(e), device="meta") for k, e in entries.items()}
     plan = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)  # type: ignore[arg-type]
     del meta
     total_size = _total_size(entries, out_dtype)
@@ -105,23 +104,24 @@ def export_hf(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        for filename, keys in plan.filename_to_tensors.items():
-            specs = [(k, out_dtype(entries[k]), tuple(entries[k]["shape"])) for k in keys]
-            writer = _PieceWriter(tmp / filename, specs, metadata={"format": "pt"})
-            try:
-                for k, d, _ in specs:
-                    writer.write_pieces(k, (rows.to(d) for rows in _iter_pieces(directory, entries[k])))
-                writer.close()
-            except BaseException:
-                writer.close_quietly()
-                raise
+        with FileHandles() as handles:
+            for filename, keys in plan.filename_to_tensors.items():
+                specs = [(k, out_dtype(entries[k]), entries[k].shape) for k in keys]
+                writer = _PieceWriter(tmp / filename, specs, metadata={"format": "pt"})
+                try:
+                    for k, d, _ in specs:
+                        writer.write_pieces(k, (rows.to(d) for rows in _iter_pieces(entries[k], handles)))
+                    writer.close()
+                except BaseException:
+                    writer.close_quietly()
+                    raise
         if plan.is_sharded:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total_size}, "weight_map": plan.tensor_to_filename}, indent=2,
                 sort_keys=True) + "\n")
         if config is not None:
             _write_config(Path(config), tmp / "config.json", target_dtype)
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -146,34 +146,36 @@ class _PieceWriter(SafetensorsStreamWriter):
         self._next += 1
 
 
-def _iter_pieces(directory: Path, entry: dict[str, Any]) -> Iterator[torch.Tensor]:
+def _iter_pieces(entry: StoredTensor, handles: FileHandles) -> Iterator[torch.Tensor]:
     """The rows of a tensor in row order, in blocks of at most ``_BLOCK_BYTES`` (one row at least).
 
     Each stored piece is checked against its CRC-32 as its blocks go by; a mismatch raises before the tensor's
     last bytes are written, so the export fails and leaves nothing behind.
     """
-    if not entry["shape"]:
-        yield read_rows(directory, entry, 0, 1)
+    if not entry.shape:
+        yield read_rows(entry, 0, 1, handles)
         return
-    row_bytes = math.prod(entry["shape"][1:]) * dtype_from_name(entry["dtype"]).itemsize
+    row_bytes = math.prod(entry.row_shape) * entry.dtype.itemsize
     step = max(1, _BLOCK_BYTES // max(1, row_bytes))
-    for piece in entry["pieces"]:  # sorted by first row, covering every row once (docs/checkpoint_format.md)
-        lo, hi = piece["rows"]
+    for piece in entry.pieces():  # in row order, covering every row once (docs/checkpoint_format.md)
+        path = entry.files.directory / piece.file
+        expected = check_piece(entry, piece, entry.files.header(piece.file))
         crc = 0
-        for start in range(lo, hi, step):
-            block = read_rows(directory, entry, start, min(hi, start + step))
+        for start in range(piece.lo, piece.hi, step):
+            block = read_rows(entry, start, min(piece.hi, start + step), handles)
             crc = zlib.crc32(block.contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
-            if start + step >= hi and "crc32" in piece and crc & 0xFFFFFFFF != piece["crc32"]:
-                raise CheckpointError(f"Checkpoint file {directory / piece['file']} is corrupted: {piece['key']!r}"
-                                      " does not match its checksum.")
+            if start + step >= piece.hi and expected is not None and crc & 0xFFFFFFFF != expected:
+                raise CheckpointError(
+                    f"Checkpoint file {path} is corrupted: {piece.key!r} does not match its checksum."
+                )
             yield block
             del block
 
 
-def _total_size(entries: dict[str, dict[str, Any]], out_dtype: Any) -> int:
+def _total_size(entries: dict[str, StoredTensor], out_dtype: Any) -> int:
     total = 0
     for entry in entries.values():
-        total += math.prod(entry["shape"]) * out_dtype(entry).itemsize
+        total += math.prod(entry.shape) * out_dtype(entry).itemsize
     return total
 
 
@@ -203,7 +205,7 @@ def _write_config(source: Path, dest: Path, dtype: torch.dtype | None) -> None:
     dest.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
+def move_into_place(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``; an existing ``out`` (allowed by the caller) is moved aside first, then removed."""
     if not out.exists():
         tmp.replace(out)

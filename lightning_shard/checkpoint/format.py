@@ -1,4 +1,5 @@
-"""The on-disk checkpoint format: a directory of safetensors files and JSON, never pickle.
+"""The checkpoint format's primitives: names, dtypes, the one size limit for JSON members, safe paths inside a
+checkpoint directory, and safetensors headers, read once each and checked against the files' real sizes.
 
 See docs/checkpoint_format.md for the specification. In short::
 
@@ -9,33 +10,46 @@ See docs/checkpoint_format.md for the specification. In short::
       shard-00000-of-00002.safetensors   rank 0's rows of every parameter and optimizer-state tensor
       ...                         ("full" checkpoints: model.safetensors and optimizer.safetensors)
 
-Each tensor entry of the index names its global shape and dtype and the *pieces* it is stored in:
-a file, the safetensors key, the half-open range of dim-0 rows the piece holds, and the piece's
-CRC-32. A reader takes exactly the rows it needs from each piece with safetensors slicing.
+The index gives each tensor's global shape and dtype and where it is stored: split by rows over the shard
+files by the writer's rule, or whole in one file (``layout.py``). Each safetensors file records the CRC-32 of
+every tensor it holds in its own header. ``index.py`` reads and writes ``index.json``; ``reader.py`` reads rows.
 """
 
 from __future__ import annotations
 
-import contextlib
+import io
 import json
-import math
 import os
+import re
+import stat
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TypeGuard
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from lightning_shard.checkpoint.storage import Location, MemberURL
+
 FORMAT_NAME = "lightning-shard-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what a save writes
+READABLE_VERSIONS = (1, 2)  # version 1 listed every piece of every tensor in the index (docs/checkpoint_format.md)
 INDEX_FILE = "index.json"
 TRAINER_STATE_JSON = "trainer_state.json"
 TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 MODEL_PREFIX = "model/"  # index keys of model tensors: "model/" + LightningModule state_dict key
 OPTIMIZER_PREFIX = "optimizer/"  # "optimizer/{i}/{parameter name}/{state name}"
+CRC32_METADATA = "crc32"  # a header's "__metadata__" entry: each tensor's CRC-32, 8 hex digits, in data order
+
+# The one limit on a checkpoint's JSON members (index.json, trainer_state.json): a load refuses a larger one, and a
+# save refuses to write one, before anything is committed. An index of the current version grows with tensors + files
+# (a 70B model saved by 4,096 ranks: about 1 MiB); the limit stays this high because version-1 indexes, which listed
+# every piece of every tensor, still load.
+MAX_JSON_BYTES = 256 * 2**20
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -51,14 +65,31 @@ _SAFETENSORS_DTYPES = {
 }
 _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _SAFETENSORS_DTYPES}
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+_TORCH_BY_SAFETENSORS = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the file or the keys at fault."""
+class CheckpointError(RuntimeError, ValueError):
+    """A checkpoint cannot be saved or loaded; the message names the file or the keys at fault. Both a
+    ``RuntimeError`` and a ``ValueError``: code written for Lightning's ``FSDPStrategy`` catches a path that is no
+    checkpoint as ``ValueError`` and a checkpoint that does not fit as ``RuntimeError``."""
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def member_named(names: Iterable[str], base: str) -> str:
+    """The file of a checkpoint that plays the part of ``base`` (``trainer_state.json``...): ``base`` itself, or
+    ``<save-id>.<base>`` in a checkpoint on object storage (see [Note: committing to object storage]); ``base`` when
+    the index names neither (a load then reports it missing)."""
+    names = list(names)
+    if base in names:
+        return base
+    found = [n for n in names if n.endswith("." + base) and SAVE_ID.fullmatch(n[: -len(base) - 1])]
+    return found[0] if len(found) == 1 else base
+
+
+SAVE_ID = re.compile(r"[0-9a-f]{12}")  # the id a save to object storage gives its files: "<save-id>.<name>"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -73,293 +104,24 @@ def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES_BY_NAME[name]
 
 
+def safetensors_dtype_code(dtype: torch.dtype) -> str:
+    """The safetensors header's name for ``dtype`` (``"F32"``)."""
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise CheckpointError(f"Tensors of dtype {dtype} cannot be stored in a checkpoint.")
+    return _SAFETENSORS_DTYPES[dtype]
+
+
 def crc32(tensor: Tensor) -> int:
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     return zlib.crc32(data.data) & 0xFFFFFFFF
 
 
-def read_index(directory: Path) -> dict[str, Any]:
-    """Read and check ``index.json``: its structure, format name and version, and that every file exists at its
-    recorded size."""
-    index_path = directory / INDEX_FILE
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"{directory} is not a lightning_shard checkpoint directory. To load model weights from a single"
-            f" .safetensors file use lightning_shard.load_safetensors_into(); pickled .ckpt files are never loaded."
-        )
-    index = read_json_member(directory, INDEX_FILE)
-    _check_index_structure(index_path, index)
-    for name, info in index["files"].items():
-        path = member_path(directory, name)
-        if not path.is_file():
-            raise CheckpointError(f"Checkpoint file {path} is missing.")
-        size = path.stat().st_size
-        if size != info["size"]:
-            raise CheckpointError(
-                f"Checkpoint file {path} has {size} bytes but the index records {info['size']}: it is truncated"
-                f" or was modified."
-            )
-    validate_tensors(directory, index["tensors"], {name: info["size"] for name, info in index["files"].items()})
-    return index
-
-
-MAX_JSON_BYTES = 256 * 2**20  # an index or trainer state of any real checkpoint is far smaller
-
-
-def read_json_member(directory: Path, name: str) -> Any:
-    """The JSON file ``name`` of a checkpoint directory, refusing what is not a regular file inside it (a link out,
-    a device, a pipe: nothing that could hang or never end) and anything above ``MAX_JSON_BYTES``."""
-    path = member_path(directory, name)
-    if not path.exists():
-        raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint.")
-    if not path.is_file():
-        raise CheckpointError(f"{path} is not a regular file (a directory, a device or a pipe); refusing to read it.")
-    with open(path, "rb") as f:
-        data = f.read(MAX_JSON_BYTES + 1)
-    if len(data) > MAX_JSON_BYTES:
-        raise CheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes, which no checkpoint writes; not read.")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, absurd nesting
-        raise CheckpointError(f"{path} is not valid JSON ({type(err).__name__}: {err}).") from None
-
-
-def _is_count(value: Any) -> bool:
+def is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_index_structure(path: Path, index: Any) -> None:
-    """The index's tables have the types its format gives them (docs/checkpoint_format.md); tensor entries are
-    checked by ``validate_tensors``."""
-
-    def damaged(what: str) -> CheckpointError:
-        return CheckpointError(f"{path} is damaged: {what}. Use another checkpoint, or save this one again.")
-
-    if not isinstance(index, dict):
-        raise damaged(f"it holds a JSON {type(index).__name__}, not an object")
-    if index.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{path} is not a {FORMAT_NAME} index (format={index.get('format')!r}).")
-    version = index.get("version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has format version {version}; this lightning_shard reads version {FORMAT_VERSION}. Upgrade"
-            " lightning_shard to read it."
-        )
-    if version != FORMAT_VERSION:
-        raise damaged(f"its format version is {version!r}, which no lightning_shard writes")
-    if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict):
-        raise CheckpointError(f"{path} lacks its 'files' or 'tensors' table.")
-    for name, info in index["files"].items():
-        if not (isinstance(info, dict) and _is_count(info.get("size")) and isinstance(info.get("sha256"), str)):
-            raise damaged(f"the entry of {name!r} in 'files' needs a byte count 'size' and a string 'sha256'")
-    mesh = index.get("mesh")
-    if not _is_count(index.get("world_size")) or not (
-        isinstance(mesh, dict) and _is_count(mesh.get("replicas")) and _is_count(mesh.get("shard_size"))
-    ):
-        raise damaged("'world_size' and 'mesh' ('replicas', 'shard_size') must be counts")
-    ties = index.get("ties", {})
-    if not isinstance(ties, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ties.items()):
-        raise damaged("'ties' must map tensor names to tensor names")
-    optimizers = index.get("optimizers", [])
-    if not isinstance(optimizers, list):
-        raise damaged("'optimizers' must be a list")
-    for i, optimizer in enumerate(optimizers):
-        groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
-        groups_ok = isinstance(groups, list) and all(
-            isinstance(g, dict) and isinstance(g.get("options"), dict) and isinstance(g.get("params"), list)
-            and all(isinstance(n, str) for n in g["params"]) for g in groups
-        )
-        values = optimizer.get("values", {}) if isinstance(optimizer, dict) else None
-        values_ok = isinstance(values, dict) and all(isinstance(v, dict) for v in values.values())
-        if not (groups_ok and values_ok):
-            raise damaged(
-                f"optimizer {i} needs 'param_groups' (each with a 'params' list of names and an 'options' object)"
-                " and 'values' objects"
-            )
-        row_states = optimizer.get("scalar_param_states", {})
-        if not (isinstance(row_states, dict) and all(
-            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in row_states.values()
-        )):
-            raise damaged(f"optimizer {i}'s 'scalar_param_states' must map parameter names to lists of state names")
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation: a checkpoint is untrusted input
-# --------------------------------------------------------------------------------------------------
-#
-# [Note: checkpoints are untrusted]
-# Before any tensor data is read, the index is checked against the directory and the safetensors headers:
-# every file is a plain name inside the directory (no "..", no separators, no symlink out of it), every
-# header fits in its file and every tensor's bytes lie inside it, and each tensor's pieces agree with the
-# headers and cover its rows exactly once. So a shape in the index can never claim more bytes than the
-# files hold, and nothing is allocated from a number that was not checked against a real file size.
-
-MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header is JSON describing the tensors; 100 MiB is far beyond any model
-_TORCH_BY_SAFETENSORS = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
-
-
-def member_path(directory: Path, name: Any) -> Path:
-    """``directory / name``, refusing any ``name`` that is not a plain file name inside ``directory`` (``..``, an
-    absolute path, a path separator) or that is a symlink leading out of it. Nothing is opened."""
-    plain = (
-        isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-        and "\0" not in name and not Path(name).is_absolute()
-    )
-    if not plain:
-        raise CheckpointError(
-            f"The checkpoint in {directory} refers to the file {name!r}, which is not a plain file name inside the"
-            f" directory; refusing to open it."
-        )
-    path = directory / name
-    if path.is_symlink() and not path.resolve().is_relative_to(directory.resolve()):
-        raise CheckpointError(
-            f"Checkpoint file {path} is a symlink that leads out of {directory} (to {path.resolve()});"
-            f" refusing to open it."
-        )
-    return path
-
-
-def read_safetensors_header(path: Path, size: int) -> dict[str, Any]:
-    """The tensor table of the safetensors file ``path`` of ``size`` bytes (name -> dtype, shape, data_offsets),
-    checked against ``size``: the header fits in the file, and every tensor's bytes lie inside its data section."""
-    with open(path, "rb") as f:
-        return _read_header(f, path, size)[1]
-
-
-def _read_header(f: Any, path: Path, size: int) -> tuple[int, dict[str, Any]]:
-    """``read_safetensors_header`` on an open file (at its start); also returns where the tensor data starts."""
-    head = f.read(8)
-    if len(head) < 8:
-        raise CheckpointError(f"Checkpoint file {path} has {size} bytes, too few for a safetensors header.")
-    (length,) = struct.unpack("<Q", head)
-    if length > min(size - 8, MAX_HEADER_BYTES):
-        raise CheckpointError(
-            f"Checkpoint file {path} claims a {length}-byte header but holds {size} bytes in all: it is damaged."
-        )
-    try:
-        header = json.loads(f.read(length))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"Checkpoint file {path} has a header that is not valid JSON ({err}).") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"Checkpoint file {path} has a header that is not a table of tensors.")
-    data_bytes = size - 8 - length
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    for key, info in tensors.items():
-        _check_header_entry(path, key, info, data_bytes)
-    return 8 + length, tensors
-
-
-def _check_header_entry(path: Path, key: str, info: Any, data_bytes: int) -> None:
-    info = info if isinstance(info, dict) else {}
-    shape, offsets = info.get("shape"), info.get("data_offsets")
-    dtype = _TORCH_BY_SAFETENSORS.get(str(info.get("dtype")))
-    if dtype is None or not _is_shape(shape) or not _is_shape(offsets) or len(offsets) != 2:
-        raise CheckpointError(f"Checkpoint file {path}: tensor {key!r} has a malformed header entry {info!r}.")
-    begin, end = offsets
-    if not begin <= end <= data_bytes or end - begin != math.prod(shape) * dtype.itemsize:
-        raise CheckpointError(
-            f"Checkpoint file {path}: tensor {key!r} of shape {shape} ({info['dtype']}) claims bytes"
-            f" [{begin}, {end}) but the file holds {data_bytes} bytes of tensor data."
-        )
-
-
-def _is_shape(value: Any) -> TypeGuard[list[int]]:
+def is_shape(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
-
-
-def validate_tensors(
-    directory: Path,
-    tensors: dict[str, Any],
-    file_sizes: dict[str, int],
-    headers: dict[str, dict[str, Any]] | None = None,
-) -> None:
-    """Check every tensor entry of an index against the files (see [Note: checkpoints are untrusted]): a known
-    dtype, a well-formed shape, pieces in listed files whose headers hold exactly the claimed rows, and pieces
-    that never overlap or leave a gap (``require_complete`` checks that they reach the last row). Reads only
-    headers (those in ``headers``, already read by ``read_safetensors_header``, are not read again); raises
-    ``CheckpointError`` naming the file and key."""
-    headers = dict(headers or {})
-    for key, entry in tensors.items():
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        pieces = entry.get("pieces") if isinstance(entry, dict) else None
-        if not (_is_shape(shape) and isinstance(pieces, list) and pieces and isinstance(entry.get("dtype"), str)):
-            raise CheckpointError(f"{directory / INDEX_FILE}: tensor {key!r} has a malformed entry.")
-        dtype = dtype_from_name(entry.get("dtype", ""))
-        rows = shape[0] if shape else 1
-        covered = 0
-        for piece in sorted(pieces, key=_first_row):
-            lo, hi = _piece_rows(directory, key, piece)
-            if lo != covered or hi > rows:
-                problem = "leaves a gap before it" if lo > covered else "overlaps the previous piece"
-                if hi > rows:
-                    problem = f"lies beyond the tensor's {rows} rows"
-                raise CheckpointError(
-                    f"{directory / INDEX_FILE}: tensor {key!r} (shape {shape}): the piece in {piece.get('file')!r}"
-                    f" holding rows [{lo}, {hi}) {problem}."
-                )
-            name = piece.get("file")
-            if name not in file_sizes:
-                raise CheckpointError(
-                    f"{directory / INDEX_FILE}: tensor {key!r} refers to the file {name!r}, which the index does not"
-                    f" list."
-                )
-            if name not in headers:
-                headers[name] = read_safetensors_header(member_path(directory, name), file_sizes[name])
-            _check_piece(directory / name, key, piece, headers[name], [hi - lo, *shape[1:]] if shape else [], dtype)
-            covered = hi
-    # That the pieces reach the last row is checked by require_complete(), after a loader has compared the shapes
-    # with the model's: a shape that differs from the model's is reported as that.
-
-
-def require_complete(directory: Path, tensors: dict[str, Any], keys: Any = None) -> None:
-    """Raise ``CheckpointError`` unless the pieces of each tensor in ``keys`` (all when ``None``) reach its last
-    row; with ``validate_tensors``, every row is then covered exactly once."""
-    for key in tensors if keys is None else keys:
-        entry = tensors[key]
-        rows = entry["shape"][0] if entry["shape"] else 1
-        covered = max(piece["rows"][1] for piece in entry["pieces"])
-        if covered != rows:
-            raise CheckpointError(
-                f"{directory / INDEX_FILE}: tensor {key!r} (shape {entry['shape']}): its pieces cover rows"
-                f" [0, {covered}) of {rows}."
-            )
-
-
-def _first_row(piece: Any) -> int:
-    rows = piece.get("rows") if isinstance(piece, dict) else None
-    return rows[0] if _is_shape(rows) and rows else 0
-
-
-def _piece_rows(directory: Path, key: str, piece: Any) -> tuple[int, int]:
-    if not _is_well_formed_piece(piece):
-        raise CheckpointError(f"{directory / INDEX_FILE}: tensor {key!r} has a malformed piece {piece!r}.")
-    lo, hi = piece["rows"]
-    return lo, hi
-
-
-def _is_well_formed_piece(piece: Any) -> bool:
-    if not isinstance(piece, dict):
-        return False
-    rows = piece.get("rows")
-    return (
-        _is_shape(rows) and len(rows) == 2 and rows[0] <= rows[1]
-        and isinstance(piece.get("key"), str) and isinstance(piece.get("file"), str)
-        and ("crc32" not in piece or _is_count(piece["crc32"]))
-    )
-
-
-def _check_piece(
-    path: Path, key: str, piece: dict[str, Any], header: dict[str, Any], shape: list[int], dtype: torch.dtype
-) -> None:
-    info = header.get(piece["key"])
-    if info is None:
-        raise CheckpointError(f"Checkpoint file {path} does not hold {piece['key']!r}, a piece of tensor {key!r}.")
-    shape_ok = info["shape"] == shape or (not shape and info["shape"] == [1])  # a 0-dim tensor: () or (1,)
-    if not shape_ok or _TORCH_BY_SAFETENSORS[info["dtype"]] != dtype:
-        raise CheckpointError(
-            f"Checkpoint file {path}: {piece['key']!r}, rows {piece['rows']} of tensor {key!r}, holds shape"
-            f" {info['shape']} ({info['dtype']}) but the index claims shape {shape} ({dtype_name(dtype)})."
-        )
 
 
 def check_loadable(
@@ -376,104 +138,328 @@ def check_loadable(
     return None
 
 
-class OpenFiles:
-    """Safetensors files opened once each and kept open while a load reads its rows from them.
-
-    Rows are read with plain file reads into tensors of their own, not through a memory map: the process then
-    holds only the rows it asked for (pages of the file it maps would count in its RSS, and fault-around maps
-    neighbouring rows too), and a file that is shorter than its header says fails the read instead of the process.
-    """
-
-    def __init__(self, directory: Path) -> None:
-        self._directory = directory
-        self._stack = contextlib.ExitStack()
-        self._files: dict[str, tuple[Any, int, dict[str, Any]]] = {}  # name -> (file, data start, tensor table)
-
-    def __enter__(self) -> OpenFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-        self._files.clear()
-
-    def read(self, piece: dict[str, Any], start: int, stop: int, into: Tensor | None = None) -> Tensor:
-        """Rows ``[start, stop)`` of the tensor ``piece`` names in its file (a 0-dim tensor: the whole of it), read
-        straight into ``into`` when it is a contiguous tensor of that shape and the file's dtype."""
-        path = member_path(self._directory, piece["file"])
-        if piece["file"] not in self._files:
-            handle = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115 - closed with the stack
-            self._files[piece["file"]] = (handle, *_read_header(handle, path, os.fstat(handle.fileno()).st_size))
-        handle, data_start, table = self._files[piece["file"]]
-        info = table.get(piece["key"])
-        if info is None:
-            raise CheckpointError(f"Checkpoint file {path} does not hold {piece['key']!r}.")
-        shape, dtype = info["shape"], _TORCH_BY_SAFETENSORS[info["dtype"]]
-        row_bytes = math.prod(shape[1:]) * dtype.itemsize
-        out_shape = (stop - start, *shape[1:]) if shape else ()
-        fits = into is not None and into.dtype == dtype and into.shape == out_shape and into.is_contiguous()
-        out = into if fits and into is not None else torch.empty(out_shape, dtype=dtype)
-        handle.seek(data_start + info["data_offsets"][0] + start * row_bytes)
-        buffer = out.reshape(-1).view(torch.uint8).numpy()
-        if handle.readinto(buffer) != buffer.nbytes:
-            raise CheckpointError(f"Checkpoint file {path} ends inside {piece['key']!r}: it is truncated.")
-        return out
-
-
-def read_rows(
-    directory: Path, entry: dict[str, Any], start: int, stop: int, files: OpenFiles | None = None
-) -> Tensor:
-    """Rows ``[start, stop)`` (dim 0) of the tensor ``entry`` describes, reading only the pieces that hold them.
-
-    ``entry`` must have passed ``validate_tensors`` (``read_index`` does that). ``files`` keeps each file open
-    across calls; without it the files are opened for this call only. A 0-dim tensor is one row: read whole (shape
-    ``()``) unless ``[start, stop)`` is empty (then an empty 1-D tensor). A piece
-    read entirely is checked against its CRC-32.
-    """
-    if files is None:
-        with OpenFiles(directory) as own:
-            return read_rows(directory, entry, start, stop, own)
-    shape = entry["shape"]
-    dtype = dtype_from_name(entry["dtype"])
-    if not shape:  # one row: read whole when [start, stop) covers it, else no rows (a rank holding none)
-        if stop <= start:
-            return torch.empty(0, dtype=dtype)
-        piece = entry["pieces"][0]
-        return _checked(directory, piece, files.read(piece, 0, 1), whole=True).to(dtype)
-    out = torch.empty(stop - start, *shape[1:], dtype=dtype)
-    for piece in entry["pieces"]:
-        lo, hi = piece["rows"]
-        a, b = max(lo, start), min(hi, stop)
-        if a >= b:
-            continue
-        target = out[a - start : b - start]
-        rows = files.read(piece, a - lo, b - lo, into=target)  # no copy when the file holds the model's dtype
-        _checked(directory, piece, rows, whole=(a == lo and b == hi))
-        if rows is not target:
-            target.copy_(rows)
-    return out
-
-
-def _checked(directory: Path, piece: dict[str, Any], tensor: Tensor, whole: bool) -> Tensor:
-    if whole and "crc32" in piece and crc32(tensor) != piece["crc32"]:
-        raise CheckpointError(
-            f"Checkpoint file {directory / piece['file']} is corrupted: {piece['key']!r} does not match its checksum."
-        )
-    return tensor
-
-
 def submodule_prefix(prefix: str) -> str:
     """A state_dict key prefix naming a submodule, ending with ``"."``: ``"model"`` and ``"model."`` both mean the
     keys of ``self.model`` (never ``model_ema.*``, which a bare string prefix would also match)."""
     return prefix if not prefix or prefix.endswith(".") else prefix + "."
 
 
-def iter_index_tensors(index: dict[str, Any], prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The index's tensor entries whose keys start with ``prefix``, keyed without it."""
-    for key, entry in index["tensors"].items():
-        if key.startswith(prefix):
-            yield key[len(prefix) :], entry
+# --------------------------------------------------------------------------------------------------
+# Files of a checkpoint directory: untrusted input
+# --------------------------------------------------------------------------------------------------
+#
+# [Note: checkpoints are untrusted]
+# Before any tensor data is read, what a reader is about to read is checked against the directory and the
+# safetensors headers: every file is a plain name inside the directory (no "..", no separators, no symlink out of
+# it) and a regular file of the size the index records, every header fits in its file and every tensor's bytes lie
+# inside it, and each piece of a tensor the reader needs agrees with its file's header (key, dtype, rows). The
+# index's own tables are checked whole when it is read, in time proportional to its size (tensors + files for the
+# current version). So a shape in the index can never claim more bytes than the files hold, and nothing is
+# allocated from a number that was not checked against a real file size. A reader checks, and opens, only the
+# files that hold what it reads.
+
+MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header is JSON describing the tensors; 100 MiB is far beyond any model
 
 
-def model_ties(index: dict[str, Any]) -> dict[str, str]:
-    """Tied model weights: each alias mapped to the name it is stored under (both without the model prefix)."""
-    return {k.removeprefix(MODEL_PREFIX): v.removeprefix(MODEL_PREFIX) for k, v in index.get("ties", {}).items()}
+def is_plain_name(name: Any) -> TypeGuard[str]:
+    """A file name with no directory part: not empty, no ``..``, no separator (so not absolute either)."""
+    return (
+        isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+        and "\0" not in name
+    )
+
+
+def is_remote(directory: Location) -> bool:
+    """Whether ``directory`` is a ``RemoteDirectory`` (a URL) rather than a local ``Path``."""
+    return not isinstance(directory, Path)
+
+
+def refuse_unplain_name(directory: Location, name: Any) -> None:
+    if not is_plain_name(name):
+        raise CheckpointError(
+            f"The checkpoint in {directory} refers to the file {name!r}, which is not a plain file name inside the"
+            f" directory; refusing to open it."
+        )
+
+
+def member_path(directory: Path, name: Any) -> Path:
+    """``directory / name``, refusing any ``name`` that is not a plain file name inside ``directory`` (``..``, an
+    absolute path, a path separator) or that is a symlink leading out of it. Nothing is opened."""
+    refuse_unplain_name(directory, name)
+    path = directory / name
+    if path.is_symlink() and not path.resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(
+            f"Checkpoint file {path} is a symlink that leads out of {directory} (to {path.resolve()});"
+            f" refusing to open it."
+        )
+    return path
+
+
+def read_json_member(directory: Location, name: str) -> Any:
+    """The JSON file ``name`` of a checkpoint directory, refusing what is not a regular file inside it (a link out,
+    a device, a pipe: nothing that could hang or never end) and anything above ``MAX_JSON_BYTES``."""
+    limit = MAX_JSON_BYTES
+    path: Path | MemberURL
+    if not isinstance(directory, Path):  # an object at a URL (no links, devices or pipes there)
+        refuse_unplain_name(directory, name)
+        path, data = directory / name, _read_remote_member(directory, name, limit)
+    else:
+        path = member_path(directory, name)
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint.")
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path} is not a regular file (a directory, a device or a pipe); refusing to read it."
+            )
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path} is larger than {limit} bytes, which no checkpoint writes; not read.")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, absurd nesting
+        raise CheckpointError(f"{path} is not valid JSON ({type(err).__name__}: {err}).") from None
+
+
+def _remote_size(f: Any) -> int:
+    """The size of an fsspec file, known from the request that opened it."""
+    return int(f.size)
+
+
+def _read_remote_member(directory: Any, name: str, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of the object ``name`` of a ``RemoteDirectory``."""
+    try:
+        with directory.open(name) as f:
+            return bytes(f.read(min(int(f.size), limit + 1)))
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory / name} is missing: {directory} is not a complete checkpoint.") from None
+
+
+class HeaderEntry(NamedTuple):
+    """One tensor of a safetensors header, checked against its file: its bytes are ``[begin, end)`` of the data
+    section, exactly ``prod(shape) * itemsize`` of them."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True, eq=False)
+class TensorTable:
+    """The checked tensor table of a safetensors header (name -> ``HeaderEntry``), and its names in the order of
+    their data. Files with equal tables share one: the shard files of a large world mostly hold the same shapes, and a
+    header equal to one already checked, but for its checksums, is neither parsed nor checked again."""
+
+    entries: dict[str, HeaderEntry]
+    in_order: tuple[str, ...]
+    raw: dict[str, Any] = field(repr=False)  # the JSON it was checked from: a later file's table is compared with it
+    data_bytes: int
+    text: bytes = field(repr=False)  # the header's bytes, checksums included
+    crc_digits: tuple[int, int] | None  # where in ``text`` the checksums' hex digits lie (a JSON string's content)
+
+    def same_but_checksums(self, text: bytes, data_bytes: int) -> bool:
+        """Whether a header of ``text`` (for ``data_bytes`` of data) is this one but for the checksums' hex digits:
+        then it parses to this table (the digits are checked to be hex by ``_checksums``)."""
+        if data_bytes != self.data_bytes or len(text) != len(self.text):
+            return False
+        if self.crc_digits is None:
+            return text == self.text
+        p, q = self.crc_digits
+        return text[:p] == self.text[:p] and text[q:] == self.text[q:]
+
+
+class SafetensorsHeader(NamedTuple):
+    """A safetensors file's tensor table, where its data section starts, and the CRC-32 of each tensor its metadata
+    records (none in files this package did not write)."""
+
+    data_start: int
+    table: TensorTable
+    crc32: dict[str, int]
+
+    @property
+    def entries(self) -> dict[str, HeaderEntry]:
+        return self.table.entries
+
+
+def read_safetensors_header(path: Path, size: int) -> SafetensorsHeader:
+    """The header of the safetensors file ``path`` of ``size`` bytes, checked against ``size``: the header fits in
+    the file, and every tensor's bytes lie inside its data section."""
+    with open(path, "rb") as f:
+        return read_header(f, path, size)
+
+
+def read_header(f: BinaryIO, path: Path | str, size: int, like: TensorTable | None = None) -> SafetensorsHeader:
+    """``read_safetensors_header`` on a file open at its start. A table equal to ``like`` (the same JSON and data
+    size: checked) is not checked again but shared."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"Checkpoint file {path} has {size} bytes, too few for a safetensors header.")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise CheckpointError(
+            f"Checkpoint file {path} claims a {length}-byte header but holds {size} bytes in all: it is damaged."
+        )
+    text, data_bytes = f.read(length), size - 8 - length
+    if like is not None and like.same_but_checksums(text, data_bytes):  # no JSON to parse: the digits alone
+        digits = text[like.crc_digits[0] : like.crc_digits[1]] if like.crc_digits else None
+        return SafetensorsHeader(8 + length, like, _checksums(path, digits, like))
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"Checkpoint file {path} has a header that is not valid JSON ({err}).") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"Checkpoint file {path} has a header that is not a table of tensors.")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise CheckpointError(f"Checkpoint file {path} has a header whose '__metadata__' is not a table of strings.")
+    digits = (metadata or {}).get(CRC32_METADATA)
+    same = like is not None and like.data_bytes == data_bytes and like.raw == header  # compared in C
+    table = like if same and like is not None else _checked_table(path, header, data_bytes, text, digits)
+    return SafetensorsHeader(8 + length, table, _checksums(path, digits, table))
+
+
+def _checked_table(path: Path | str, header: dict[str, Any], data_bytes: int, text: bytes, digits: Any) -> TensorTable:
+    entries = {}
+    for key, info in header.items():  # one entry per tensor, thousands per load: a tight loop, no call per entry
+        try:
+            dtype, shape, (begin, end) = _TORCH_BY_SAFETENSORS[info["dtype"]], info["shape"], info["data_offsets"]
+            numel = 1
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise TypeError(d)
+                numel *= d
+            if type(begin) is not int or type(end) is not int:
+                raise TypeError(begin)
+        except (KeyError, TypeError, ValueError):
+            malformed = f"Checkpoint file {path}: tensor {key!r} has a malformed header entry {info!r}."
+            raise CheckpointError(malformed) from None
+        if not 0 <= begin <= end <= data_bytes or end - begin != numel * dtype.itemsize:
+            raise CheckpointError(
+                f"Checkpoint file {path}: tensor {key!r} of shape {shape} ({info['dtype']}) claims bytes"
+                f" [{begin}, {end}) but the file holds {data_bytes} bytes of tensor data."
+            )
+        entries[key] = HeaderEntry(dtype, tuple(shape), begin, end)
+    in_order = tuple(sorted(entries, key=lambda key: (entries[key].begin, entries[key].end)))
+    return TensorTable(entries, in_order, header, data_bytes, text, _digits_span(text, digits))
+
+
+def _digits_span(text: bytes, digits: Any) -> tuple[int, int] | None:
+    """Where the checksums' digits lie in the header ``text`` (this package's writer puts them first, compactly)."""
+    marker = f'{{"__metadata__":{{"{CRC32_METADATA}":"'.encode()
+    if not isinstance(digits, str) or not text.startswith(marker):
+        return None
+    p = len(marker)
+    q = p + len(digits)
+    return (p, q) if text[p:q] == digits.encode() and text[q : q + 1] == b'"' else None
+
+
+def _checksums(path: Path | str, digits: str | bytes | None, table: TensorTable) -> dict[str, int]:
+    """The CRC-32s a header's metadata records: 8 hex digits per tensor, in the order of their data."""
+    if digits is None:
+        return {}
+    count = len(table.in_order)
+    try:
+        raw = bytes.fromhex(digits.decode("ascii") if isinstance(digits, bytes) else digits)
+        values = struct.unpack(f">{count}I", raw) if len(digits) == 8 * count else None
+    except (TypeError, ValueError, UnicodeDecodeError, struct.error):
+        values = None
+    if values is None:
+        raise CheckpointError(
+            f"Checkpoint file {path}: the header's {CRC32_METADATA!r} metadata is not 8 hex digits for each of its"
+            f" {count} tensors: it is damaged."
+        )
+    return dict(zip(table.in_order, values))
+
+
+class CheckpointFiles:
+    """The files of one checkpoint directory as one load sees them (see [Note: checkpoints are untrusted]).
+
+    Each file is opened only when something is read from it, checked to be a regular file inside the directory
+    of the size the index records (``sizes``; ``None`` for files no index describes, such as a Hugging Face model),
+    and its safetensors header is read once and kept for the rest of the load. ``headers_read`` lists the files
+    whose headers were read, in order: what this process touched.
+    """
+
+    def __init__(
+        self, directory: Location, sizes: Mapping[str, int] | None, checksums_in_headers: bool = False
+    ) -> None:
+        self.directory = directory
+        self.sizes = sizes
+        self.checksums_in_headers = checksums_in_headers  # every tensor's CRC-32 is in its header (version 2)
+        self.headers_read: list[str] = []
+        self.pieces_checked = 0  # pieces checked against their headers (by ``RowReads``)
+        self._headers: dict[str, SafetensorsHeader] = {}
+        self._last_table: TensorTable | None = None  # the table of the header read last: the next is often equal
+        self._paths: dict[str, Path] = {}  # local files already checked by ``member_path``
+
+    def open(self, name: str) -> io.BufferedReader:
+        """``name`` opened for reading, once it is known to be a regular file of its recorded size. A pipe or a
+        device is refused without blocking on it. An object at a URL is opened unbuffered: each read is one range
+        request for exactly its bytes."""
+        if not isinstance(self.directory, Path):
+            refuse_unplain_name(self.directory, name)
+            return self._open_remote(name)
+        path = self._paths.get(name)
+        if path is None:
+            path = self._paths[name] = member_path(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            raise CheckpointError(f"Checkpoint file {path} is missing.") from None
+        f = os.fdopen(fd, "rb")
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointError(f"Checkpoint file {path} is not a regular file; refusing to read it.")
+            expected = self.sizes.get(name) if self.sizes is not None else info.st_size
+            if expected is None:
+                raise CheckpointError(f"Internal error: {name} is not a file of the checkpoint in {self.directory}.")
+            if info.st_size != expected:
+                raise CheckpointError(
+                    f"Checkpoint file {path} has {info.st_size} bytes but the index records {expected}: it is"
+                    f" truncated or was modified."
+                )
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    def _open_remote(self, name: str) -> Any:
+        url = self.directory / name
+        try:
+            f: Any = self.directory.open(name)  # type: ignore[union-attr]
+        except FileNotFoundError:
+            raise CheckpointError(f"Checkpoint file {url} is missing.") from None
+        expected = self.sizes.get(name) if self.sizes is not None else f.size
+        if expected is None or f.size != expected:
+            f.close()
+            if expected is None:
+                raise CheckpointError(f"Internal error: {name} is not a file of the checkpoint in {self.directory}.")
+            raise CheckpointError(
+                f"Checkpoint file {url} has {f.size} bytes but the index records {expected}: it is truncated or was"
+                " modified."
+            )
+        return f
+
+    def check(self, name: str) -> Path | str:
+        """The path of ``name`` once it is known to be a regular file of its recorded size (nothing is read)."""
+        self.open(name).close()
+        return self.directory / name
+
+    def read_all(self, name: str) -> bytes:
+        """The whole of ``name``, checked as ``open`` checks it."""
+        with self.open(name) as f:
+            return bytes(f.read())
+
+    def header(self, name: str) -> SafetensorsHeader:
+        """The checked header of ``name``, read the first time it is asked for."""
+        header = self._headers.get(name)
+        if header is None:
+            with self.open(name) as f:
+                size = os.fstat(f.fileno()).st_size if isinstance(self.directory, Path) else _remote_size(f)
+                header = read_header(f, self.directory / name, size, self._last_table)
+            self._headers[name] = header
+            self._last_table = header.table
+            self.headers_read.append(name)
+        return header

@@ -1,8 +1,9 @@
 """Loading a checkpoint directory (or a plain ``.safetensors`` model file) into a sharded model.
 
 Each rank reads only the rows of each tensor that its shards hold, whatever world size, mesh,
-sharding strategy or wrap policy wrote the checkpoint. Every load step ends with the ranks agreeing
-on success, so a damaged file stops all ranks with the same error instead of leaving some waiting.
+sharding strategy or wrap policy wrote the checkpoint, opening only the files that hold them (see
+[Note: reading only what a rank needs]). Every load step ends with the ranks agreeing on success, so
+a damaged file stops all ranks with the same error instead of leaving some waiting.
 """
 
 from __future__ import annotations
@@ -25,21 +26,17 @@ from lightning_shard.checkpoint.format import (
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
-    OpenFiles,
+    CheckpointFiles,
     check_loadable,
-    dtype_from_name,
-    dtype_name,
-    iter_index_tensors,
+    member_named,
     member_path,
-    model_ties,
-    read_index,
     read_json_member,
-    read_rows,
-    read_safetensors_header,
-    require_complete,
     submodule_prefix,
-    validate_tensors,
 )
+from lightning_shard.checkpoint.index import iter_index_tensors, model_ties, read_index
+from lightning_shard.checkpoint.layout import StoredTensor, Whole, require_complete
+from lightning_shard.checkpoint.reader import RowReads
+from lightning_shard.checkpoint.storage import Location
 from lightning_shard.checkpoint.trainer_state import from_json_tree
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
@@ -49,7 +46,7 @@ class ShardedCheckpointSource:
     """Stands for the model or optimizer tensors of a checkpoint directory in Lightning's checkpoint dict; the
     strategy reads them from disk into the shards when Lightning asks it to load them."""
 
-    directory: Path
+    directory: Location
     index: dict[str, Any] = field(repr=False)
 
 
@@ -61,26 +58,32 @@ class LoadResult:
     unexpected_keys: list[str]
 
 
-def load_trainer_state(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_trainer_state(directory: Location) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's checkpoint dict without model and optimizer tensors, and the index. Never unpickles."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load, load_file
 
     index = read_index(directory)
+    files = CheckpointFiles(directory, {name: info["size"] for name, info in index["files"].items()})
+    json_name, tensors_name = (member_named(index["files"], n) for n in (TRAINER_STATE_JSON, TRAINER_STATE_TENSORS))
     try:
-        state_json = read_json_member(directory, TRAINER_STATE_JSON)
-        tensors = load_file(str(member_path(directory, TRAINER_STATE_TENSORS)))
+        files.check(json_name)
+        state_json = read_json_member(directory, json_name)
+        if isinstance(directory, Path):
+            tensors = load_file(str(files.check(tensors_name)))
+        else:  # an object at a URL: one read
+            tensors = load(files.read_all(tensors_name))
         state = from_json_tree(state_json, tensors)
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged file: name it
         raise CheckpointError(f"Cannot read the trainer state in {directory}: {type(err).__name__}: {err}") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{directory / TRAINER_STATE_JSON} holds a {type(state).__name__}, not an object.")
+        raise CheckpointError(f"{directory / json_name} holds a {type(state).__name__}, not an object.")
     return state, index
 
 
 def load_model(
-    engine: ShardedModule, module: nn.Module, directory: Path, index: dict[str, Any], strict: bool = True
+    engine: ShardedModule, module: nn.Module, directory: Location, index: dict[str, Any], strict: bool = True
 ) -> LoadResult:
     """Copy this rank's rows of every parameter (and every buffer) from the checkpoint into ``module``. Collective."""
     stored = {key for key, _ in iter_index_tensors(index, MODEL_PREFIX)}
@@ -107,7 +110,7 @@ def _key_check(module: nn.Module, available: set[str], strict: bool) -> LoadResu
 
 
 def _load_model_rows(
-    engine: ShardedModule, module: nn.Module, directory: Path, index: dict[str, Any], ties: dict[str, str]
+    engine: ShardedModule, module: nn.Module, directory: Location, index: dict[str, Any], ties: dict[str, str]
 ) -> None:
     entries = dict(iter_index_tensors(index, MODEL_PREFIX))
     plan = []
@@ -122,21 +125,24 @@ def _load_model_rows(
     if mismatched:  # checked before anything is allocated or read
         raise CheckpointError("Checkpoint tensors do not match the model's shapes: " + "; ".join(mismatched))
     require_complete(directory, entries, [key for key, _, _ in targets])
-    with torch.no_grad(), OpenFiles(directory) as files:
-        for key, p in plan:  # read everything first would double memory; a failure stops all ranks via agree()
-            rows = read_rows(directory, entries[key], p.first_row, p.first_row + p.local_rows, files)
-            p.sharded.copy_(rows.reshape(p.sharded.shape))
-        for key, buf in buffers:
-            entry = entries[key]
-            buf.copy_(read_rows(directory, entry, 0, entry["shape"][0] if entry["shape"] else 1, files))
+    reads = RowReads()  # straight into the shards and buffers; a failure stops all ranks via agree()
+    for key, p in plan:
+        reads.add(entries[key], p.first_row, p.first_row + p.local_rows, p.sharded)
+    for key, buf in buffers:
+        reads.add(entries[key], 0, entries[key].rows, buf)
+    reads.run()
 
 
-def _mismatch(key: str, entry: dict[str, Any], shape: Any, dtype: torch.dtype) -> str | None:
-    return check_loadable(key, entry["shape"], dtype_from_name(entry["dtype"]), shape, dtype)
+def _mismatch(key: str, entry: StoredTensor, shape: Any, dtype: torch.dtype) -> str | None:
+    return check_loadable(key, entry.shape, entry.dtype, shape, dtype)
 
 
 def load_optimizers(
-    engine: ShardedModule, optimizers: Sequence[Optimizer], directory: Path, index: dict[str, Any], strict: bool = True
+    engine: ShardedModule,
+    optimizers: Sequence[Optimizer],
+    directory: Location,
+    index: dict[str, Any],
+    strict: bool = True,
 ) -> None:
     """Load every optimizer's state (this rank's rows of per-parameter tensors) from the checkpoint. Collective.
 
@@ -156,7 +162,7 @@ def _optimizer_state(
     optimizer: Optimizer,
     i: int,
     meta: dict[str, Any],
-    directory: Path,
+    directory: Location,
     index: dict[str, Any],
     strict: bool,
 ) -> dict[str, Any]:
@@ -179,16 +185,18 @@ def _optimizer_state(
     _check_optimizer_shapes(i, entries, sharded)  # before anything is allocated or read
     require_complete(directory, dict(entries))
     row_states = meta.get("scalar_param_states", {})  # see docs/checkpoint_format.md; checked by read_index
-    with OpenFiles(directory) as files:
-        for key, entry in entries:
-            fqn, name = key.rsplit("/", 1)
-            p = sharded[fqn]
-            if entry["shape"] or (not p.global_shape and name in row_states.get(fqn, ())):
-                value = read_rows(directory, entry, p.first_row, p.first_row + p.local_rows, files)
-                value = value.reshape(p.sharded.shape)
-            else:
-                value = read_rows(directory, entry, 0, 1, files)
-            state.setdefault(position[fqn], {})[name] = value  # load_state_dict() moves it as the optimizer wants
+    reads = RowReads()
+    for key, entry in entries:  # each read into a tensor shaped as the model's rows (or 0-dim): nothing else
+        fqn, name = key.rsplit("/", 1)
+        p = sharded[fqn]
+        if entry.shape or (not p.global_shape and name in row_states.get(fqn, ())):
+            value = torch.empty(p.sharded.shape, dtype=entry.dtype)
+            reads.add(entry, p.first_row, p.first_row + p.local_rows, value)
+        else:
+            value = torch.empty((), dtype=entry.dtype)
+            reads.add(entry, 0, 1, value)
+        state.setdefault(position[fqn], {})[name] = value  # load_state_dict() moves it as the optimizer wants
+    reads.run()
     for fqn, values in meta.get("values", {}).items():
         if fqn in position:
             decoded = {k: _decoded(v, f"Optimizer {i}'s {k!r} of {fqn}", directory) for k, v in values.items()}
@@ -197,7 +205,7 @@ def _optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
-def _decoded(value: Any, what: str, directory: Path) -> Any:
+def _decoded(value: Any, what: str, directory: Location) -> Any:
     """The Python value of ``value``, JSON from the index; a damaged one is a ``CheckpointError`` naming ``what``."""
     try:
         return from_json_tree(value, {})
@@ -209,12 +217,12 @@ def _decoded(value: Any, what: str, directory: Path) -> Any:
         ) from None
 
 
-def _check_optimizer_shapes(i: int, entries: list[tuple[str, dict[str, Any]]], sharded: dict[str, Any]) -> None:
+def _check_optimizer_shapes(i: int, entries: list[tuple[str, StoredTensor]], sharded: dict[str, Any]) -> None:
     """Per-parameter optimizer state is either a scalar (e.g. Adam's step) or shaped like its parameter."""
     problems = []
     for key, entry in entries:
         p = sharded[key.rsplit("/", 1)[0]]
-        if entry["shape"]:
+        if entry.shape:
             problem = _mismatch(f"{OPTIMIZER_PREFIX}{i}/{key}", entry, p.global_shape, p.dtype)
             if problem:
                 problems.append(problem)
@@ -266,9 +274,10 @@ def load_safetensors_into(
 HF_INDEX_SUFFIX = ".safetensors.index.json"
 
 
-def _safetensors_tensors(path: Path) -> tuple[Path, dict[str, dict[str, Any]]]:
-    """The directory and the validated tensor entries (as in a checkpoint index, keyed by the file's keys) of a
-    ``.safetensors`` file, a Hugging Face index, or a directory holding either."""
+def _safetensors_tensors(path: Path) -> tuple[Path, dict[str, StoredTensor]]:
+    """The directory and the checked tensors (keyed by the files' keys) of a ``.safetensors`` file, a Hugging Face
+    index, or a directory holding either. Every file's header is read and checked here: a ``weight_map`` says
+    nothing of shapes."""
     if path.is_dir():
         found = [path / name for name in ("model" + HF_INDEX_SUFFIX, "model.safetensors") if (path / name).is_file()]
         if not found:
@@ -287,20 +296,17 @@ def _safetensors_tensors(path: Path) -> tuple[Path, dict[str, dict[str, Any]]]:
     missing = [name for name in names if not member_path(directory, name).is_file()]
     if missing:
         raise CheckpointError(f"{path} refers to files missing from {directory}: {missing}.")
-    sizes = {name: (directory / name).stat().st_size for name in names}
-    headers = {name: read_safetensors_header(directory / name, sizes[name]) for name in names}
+    files = CheckpointFiles(directory, {name: (directory / name).stat().st_size for name in names})
+    headers = {name: files.header(name) for name in names}
     if weight_map is None:
-        weight_map = dict.fromkeys(headers[path.name], path.name)
+        weight_map = dict.fromkeys(headers[path.name].entries, path.name)
     tensors = {}
     for key, name in weight_map.items():
-        info = headers[name].get(key)
+        info = headers[name].entries.get(key)
         if info is None:
             raise CheckpointError(f"{path}: {key!r} is mapped to {directory / name}, which does not hold it.")
-        dtype = dtype_from_name_safetensors(directory / name, key, info["dtype"])
-        rows = info["shape"][0] if info["shape"] else 1
-        tensors[key] = {"shape": info["shape"], "dtype": dtype_name(dtype),
-                        "pieces": [{"file": name, "key": key, "rows": [0, rows]}]}
-    validate_tensors(directory, tensors, sizes, headers)
+        rows = info.shape[0] if info.shape else 1
+        tensors[key] = StoredTensor(key, info.shape, info.dtype, Whole(name, key, rows), files)
     return directory, tensors
 
 
@@ -312,16 +318,3 @@ def _read_weight_map(path: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path}: 'weight_map' must map each tensor name to a file name.")
     return weight_map
-
-
-def dtype_from_name_safetensors(path: Path, key: str, code: str) -> torch.dtype:
-    dtype = _SAFETENSORS_TO_TORCH.get(code)
-    if dtype is None:
-        raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {code}.")
-    return dtype
-
-
-_SAFETENSORS_TO_TORCH = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}

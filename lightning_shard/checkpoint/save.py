@@ -2,17 +2,19 @@
 
 [Note: atomic checkpoint saves]
 Everything is written into a hidden temporary directory next to the target. Once every rank
-reports success (one all-gather of small status records), rank 0 writes the index, moves an
-existing checkpoint at the target aside, renames the temporary directory into place and deletes
-the old one. If any rank fails while writing, every rank raises the failure and the temporary
-directory is removed: the checkpoint that was at the target before stays untouched and loadable.
-A save killed outright (SIGKILL, a node lost) leaves its hidden temporary directory behind; the
-next successful save into the same parent directory removes it (``remove_stale_temporaries``). A save
-killed between its two renames leaves the previous checkpoint moved aside (``.<name>.old-<id>``) and
-nothing at the target: the next save into the parent puts it back under its name, never deletes it.
-Only a checkpoint directory (or an empty one) is ever replaced: a save whose target is anything else
-(a file, a non-empty directory without ``index.json``) is refused on every rank before anything is
-written.
+reports success (``agree``), each rank sends rank 0 the record of the file it wrote (name, size,
+SHA-256, shard: a few bytes; only rank 0 receives them all and builds the index), rank 0 writes
+the trainer state and the index, moves an existing checkpoint at the target aside, renames the
+temporary directory into place and deletes the old one. The index is refused before anything is
+committed if it would exceed the size a load reads (``encode_index``). If any rank fails while
+writing, every rank raises the failure and the temporary directory is removed: the checkpoint
+that was at the target before stays untouched and loadable. A save killed outright (SIGKILL, a
+node lost) leaves its hidden temporary directory behind; the next successful save into the same
+parent directory removes it (``remove_stale_temporaries``). A save killed between its two renames
+leaves the previous checkpoint moved aside (``.<name>.old-<id>``) and nothing at the target: the
+next save into the parent puts it back under its name, never deletes it. Only a checkpoint
+directory (or an empty one) is ever replaced: a save whose target is anything else (a file, a
+non-empty directory without ``index.json``) is refused on every rank before anything is written.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,19 +35,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.agreement import agree, broadcast_str, gather_records
+from lightning_shard.checkpoint import format as checkpoint_format
+from lightning_shard.checkpoint.agreement import agree, broadcast_str, gather_on_first_rank
+from lightning_shard.checkpoint.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
+    SAVE_ID,
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
-    dtype_name,
     shard_file_name,
 )
+from lightning_shard.checkpoint.index import FileRecord, SavedTensor, build_index, encode_index
+from lightning_shard.checkpoint.layout import shard_rows
+from lightning_shard.checkpoint.storage import Location, RemoteDirectory
 from lightning_shard.checkpoint.trainer_state import to_json_tree
 from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
 from lightning_shard.engine.param_shard import ShardedParam
@@ -70,10 +78,11 @@ def save_checkpoint_dir(
     module: nn.Module,
     optimizers: Sequence[Optimizer],
     checkpoint: dict[str, Any],
-    path: Path,
+    path: Location,
     layout: StateDictType,
 ) -> None:
-    """Write ``checkpoint`` (Lightning's dict) as a checkpoint directory at ``path``. Collective."""
+    """Write ``checkpoint`` (Lightning's dict) as a checkpoint directory at ``path`` (a local directory, or a URL:
+    see [Note: committing to object storage]). Collective."""
     prepared = prepare_save(engine, module, optimizers, checkpoint, path, layout)
     prepared.write(prepared.plan.write_local)
 
@@ -83,25 +92,42 @@ def prepare_save(
     module: nn.Module,
     optimizers: Sequence[Optimizer],
     checkpoint: dict[str, Any],
-    path: Path,
+    path: Location,
     layout: StateDictType,
 ) -> PreparedSave:
-    """The part of a save every rank must do together on the default group: agree on the temporary directory and
-    turn the trainer state into JSON. Collective."""
+    """The part of a save every rank must do together on the default group: agree on the temporary directory (for a
+    URL: the local staging directory and the save's id) and turn the trainer state into JSON. Collective."""
     checkpoint = dict(checkpoint)
     checkpoint.pop("state_dict", None)
+    averaged = checkpoint.pop(AVERAGED_MODEL_KEY, None)  # see [Note: averaged weights in a checkpoint]
     with_optimizers = checkpoint.pop("optimizer_states", None) is not None
-    tmp = Path(broadcast_str(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")))
+    save_id = uuid.uuid4().hex[:12]
+    if isinstance(path, Path):
+        tmp = Path(broadcast_str(str(path.parent / f".{path.name}.tmp-{save_id}")))
+    else:  # staged locally, then uploaded: see [Note: committing to object storage]
+        tmp = Path(broadcast_str(str(Path(tempfile.gettempdir()) / f"lightning-shard-upload-{save_id}")))
     tensors: dict[str, Tensor] = {}
 
     def checked_trainer_state() -> Any:
         if not dist.is_initialized() or dist.get_rank() == 0:  # rank 0 finishes the directory: it looks at the target
-            refuse_to_replace_other_data(path)
-        return to_json_tree(checkpoint, tensors)
+            if isinstance(path, Path):
+                refuse_to_replace_other_data(path)
+            else:
+                refuse_foreign_objects(path)
+        tree = to_json_tree(checkpoint, tensors)
+        size, limit = len(_trainer_state_json(tree).encode()), checkpoint_format.MAX_JSON_BYTES
+        if size > limit:  # a load would refuse it
+            raise CheckpointError(
+                f"The trainer state would take {size} bytes of JSON, above the {limit} bytes a load reads; nothing"
+                " was saved. Keep large values out of the checkpoint dict (store large arrays as tensors)."
+            )
+        return tree
 
     trainer_state = agree(checked_trainer_state)  # a refused target or an unstorable value fails on every rank
     writer = _ShardedWriter if layout is StateDictType.SHARDED else _FullWriter
-    plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp)
+    plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp, averaged)
+    if not isinstance(path, Path):  # every file under this save's id: nothing at the URL is overwritten
+        plan.file_prefix = tmp.name.rsplit("-", 1)[1] + "."
     return PreparedSave(plan, path, layout, trainer_state, tensors)
 
 
@@ -110,36 +136,80 @@ class PreparedSave:
     rank 0 finishes the directory (see [Note: atomic checkpoint saves])."""
 
     def __init__(
-        self, plan: _Plan, path: Path, layout: StateDictType, trainer_state: Any, tensors: dict[str, Tensor]
+        self, plan: _Plan, path: Location, layout: StateDictType, trainer_state: Any, tensors: dict[str, Tensor]
     ) -> None:
         self.plan, self.path, self.layout = plan, path, layout
         self.trainer_state, self.tensors = trainer_state, tensors
 
-    def write(self, write_local: Callable[[], dict[str, Any]], group: Any = None) -> None:
+    def write(self, write_local: Callable[[], list[FileRecord]], group: Any = None) -> None:
         """Run ``write_local`` (this rank's file) and finish the directory, agreeing over ``group``. Collective."""
         rank = dist.get_rank() if dist.is_initialized() else 0
-        tmp = self.plan.tmp
+        tmp, remote = self.plan.tmp, self.path if not isinstance(self.path, Path) else None
+        if remote is not None:  # each rank uploads what it wrote, in parallel with the others
+            write_local = _then_upload(write_local, tmp, remote)
         try:
-            records = gather_records(agree(write_local, group), group)
-            index = self.plan.index(records, self.layout)
+            records = gather_on_first_rank(agree(write_local, group), group)  # None but on rank 0
             # Rank 0 finishes the directory; agree() so that a failure there is raised on every rank, not a hang.
-            finish = lambda: _finish(tmp, self.path, index, self.trainer_state, self.tensors)  # noqa: E731
-            agree(lambda: finish() if rank == 0 else None, group)
+            agree(lambda: _finish(self, [r for rs in records for r in rs]) if records is not None else None, group)
         except BaseException:
-            if rank == 0:
+            if rank == 0 or remote is not None:  # a staging directory is every rank's to remove
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if remote is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _finish(tmp: Path, path: Path, index: dict[str, Any], trainer_state: Any, tensors: dict[str, Tensor]) -> None:
-    """Rank 0: trainer state and index into the temporary directory, then swap it in (see [Note: atomic ...])."""
+def _then_upload(
+    write_local: Callable[[], list[FileRecord]], tmp: Path, remote: RemoteDirectory
+) -> Callable[[], list[FileRecord]]:
+    """``write_local``, then the upload of the files it wrote (see [Note: committing to object storage])."""
+
+    def write_and_upload() -> list[FileRecord]:
+        records = write_local()
+        for record in records:
+            remote.put_file(tmp / record.name, record.name)
+            (tmp / record.name).unlink()  # the staging copy is no longer needed
+        return records
+
+    return write_and_upload
+
+
+def _finish(save: PreparedSave, records: list[FileRecord]) -> None:
+    """Rank 0: the trainer state, then the index from every file's record, then the swap (see [Note: atomic ...])."""
+    tmp = save.plan.tmp
+    state_records = write_trainer_state(tmp, save.trainer_state, save.tensors, save.plan.file_prefix)
+    index = encode_index(save.plan.index(records + state_records, save.layout))
+    if isinstance(save.path, Path):
+        commit(tmp, save.path, index)
+    else:
+        commit_remote(tmp, save.path, state_records, index)
+
+
+def _trainer_state_json(tree: Any) -> str:
+    return json.dumps(tree, indent=1, allow_nan=True)
+
+
+def write_trainer_state(
+    tmp: Path, trainer_state: Any, tensors: dict[str, Tensor], prefix: str = ""
+) -> list[FileRecord]:
+    """Rank 0: ``trainer_state.json`` and ``trainer_state.safetensors`` (named with ``prefix``) into the temporary
+    directory."""
     from safetensors.torch import save_file
 
-    (tmp / TRAINER_STATE_JSON).write_text(json.dumps(trainer_state, indent=1, allow_nan=True))
-    save_file(tensors, str(tmp / TRAINER_STATE_TENSORS))
-    for name in (TRAINER_STATE_JSON, TRAINER_STATE_TENSORS):
-        index["files"][name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    tmp.mkdir(parents=True, exist_ok=True)
+    json_name, tensors_name = prefix + TRAINER_STATE_JSON, prefix + TRAINER_STATE_TENSORS
+    (tmp / json_name).write_text(_trainer_state_json(trainer_state))
+    save_file(tensors, str(tmp / tensors_name))
+    return [_record(tmp / name, None) for name in (json_name, tensors_name)]
+
+
+def _record(path: Path, shard: int | None, whole: dict[str, str] | None = None) -> FileRecord:
+    return FileRecord(path.name, path.stat().st_size, sha256_file(path), shard, whole or {})
+
+
+def commit(tmp: Path, path: Path, index: bytes) -> None:
+    """Rank 0: the index into the temporary directory, then swap it in (see [Note: atomic checkpoint saves])."""
+    (tmp / INDEX_FILE).write_bytes(index)
     old = None
     if path.exists() or path.is_symlink():
         old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
@@ -148,6 +218,41 @@ def _finish(tmp: Path, path: Path, index: dict[str, Any], trainer_state: Any, te
     if old is not None:
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
     remove_stale_temporaries(path.parent)
+
+
+def commit_remote(tmp: Path, remote: RemoteDirectory, trainer_state: list[FileRecord], index: bytes) -> None:
+    """Rank 0, once every rank's data files are uploaded: the trainer state, then ``index.json`` in one PUT (the
+    commit), then the objects the new index does not name are deleted (see [Note: committing to object storage])."""
+    for record in trainer_state:
+        remote.put_file(tmp / record.name, record.name)
+    remote.write_bytes(INDEX_FILE, index)
+    keep = set(json.loads(index)["files"]) | {INDEX_FILE}
+    remote.invalidate()
+    remote.remove([name for name in remote.names() if name not in keep and is_save_object(name)])
+
+
+def is_save_object(name: str) -> bool:
+    """Whether ``name`` is an object a save writes (and so one a later save may delete): the index, a shard or
+    model/optimizer file, the trainer state, each possibly under a save id."""
+    head, _, rest = name.partition(".")
+    base = rest if SAVE_ID.fullmatch(head) else name
+    return base in _SAVED_NAMES or _SHARD_FILE.fullmatch(base) is not None
+
+
+_SAVED_NAMES = (INDEX_FILE, TRAINER_STATE_JSON, TRAINER_STATE_TENSORS, "model.safetensors", "optimizer.safetensors")
+_SHARD_FILE = re.compile(r"shard-\d{5,}-of-\d{5,}\.safetensors")
+
+
+def refuse_foreign_objects(remote: RemoteDirectory) -> None:
+    """Raise unless the URL holds nothing, or only what saves write (a checkpoint, the leftovers of a save that did
+    not complete): a save deletes what its index does not name, so it never saves over anything else."""
+    remote.invalidate()
+    other = [name for name in remote.names() if not is_save_object(name)]
+    if other:
+        raise CheckpointError(
+            f"Refusing to save a checkpoint at {remote}: it holds objects no checkpoint save writes ({other[:5]}),"
+            " which a save there would delete. Choose another URL, or remove them."
+        )
 
 
 def refuse_to_replace_other_data(path: Path) -> None:
@@ -197,8 +302,16 @@ def remove_stale_temporaries(parent: Path) -> list[str]:
 class _Plan:
     """The tensors of a checkpoint: each model parameter once (tied names recorded), buffers, optimizer state."""
 
-    def __init__(self, engine: ShardedModule, module: nn.Module, optimizers: list[Optimizer], tmp: Path) -> None:
+    def __init__(
+        self,
+        engine: ShardedModule,
+        module: nn.Module,
+        optimizers: list[Optimizer],
+        tmp: Path,
+        averaged: AveragedTensors | None = None,
+    ) -> None:
         self.engine, self.tmp = engine, tmp
+        self.file_prefix = ""  # "<save-id>." for a save to a URL (see [Note: committing to object storage])
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.params: list[tuple[str, ShardedParam]] = []
@@ -211,50 +324,107 @@ class _Plan:
                 continue
             self.params.append((fqns[0], p))
             self.ties.update({f: fqns[0] for f in fqns[1:]})
+        position = {name: i for i, name in enumerate(state)}  # the module's order, not the units': files and index
+        self.params.sort(key=lambda item: position[item[0]])  # are the same whatever the wrap policy
         owned = {f for p in engine.sharded_params() for f in p.fqns}
         self.buffers = [(k, v) for k, v in state.items() if k not in owned]
         self.optimizers = [_optimizer_plan(engine, opt, i) for i, opt in enumerate(optimizers)]
+        self.averaged = _averaged_plan(averaged, self.params, self.buffers)
 
-    def write_local(self) -> dict[str, Any]:
-        """Write what this rank holds into the temporary directory; return its record for the index."""
+    def write_local(self) -> list[FileRecord]:
+        """Write what this rank holds into the temporary directory; return the records of the files it wrote."""
         raise NotImplementedError
 
-    def index(self, records: list[dict[str, Any]], layout: StateDictType) -> dict[str, Any]:
-        """The index from every rank's record."""
-        raise NotImplementedError
-
-    def index_base(self, layout: StateDictType) -> dict[str, Any]:
+    def index(self, records: list[FileRecord], layout: StateDictType) -> dict[str, Any]:
+        """The index, from the records of every file written (rank 0)."""
         mesh = self.engine.mesh
-        return {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "state_dict_type": layout.value,
-            "world_size": self.world_size,
-            "mesh": {"replicas": mesh.replicas, "shard_size": mesh.shard_size},
-            "sharding_strategy": self.engine.sharding_strategy.value,
-            "files": {},
-            "ties": {MODEL_PREFIX + k: MODEL_PREFIX + v for k, v in self.ties.items()},
-            "optimizers": [meta for meta, _ in self.optimizers],
-        } | {"tensors": self._entries()}
+        head = index_head(layout, self.world_size, (mesh.replicas, mesh.shard_size),
+                          self.engine.sharding_strategy.value, self.ties, [meta for meta, _ in self.optimizers])
+        params = [(fqn, tuple(p.global_shape), p.dtype) for fqn, p in self.params]
+        optim = [(name, tuple(p.global_shape) if p is not None else None, value)
+                 for _, tensors in self.optimizers for name, p, value in tensors]
+        saved = saved_tensors(params, self.buffers, optim, layout is StateDictType.SHARDED)
+        saved += [SavedTensor(AVERAGE_PREFIX + fqn, tuple(p.global_shape) if p is not None else tuple(t.shape),
+                              t.dtype, p is not None and layout is StateDictType.SHARDED)
+                  for fqn, p, t in self.averaged]
+        return build_index(head, saved, records)
 
-    def _entries(self) -> dict[str, dict[str, Any]]:
-        entries = {MODEL_PREFIX + fqn: _entry(p.global_shape, p.dtype) for fqn, p in self.params}
-        entries |= {MODEL_PREFIX + k: _entry(v.shape, v.dtype) for k, v in self.buffers}
-        for _, tensors in self.optimizers:
-            for name, p, value in tensors:
-                entries[name] = _entry(p.global_shape if p is not None else value.shape, value.dtype)
-        return entries
+
+def _averaged_plan(
+    averaged: AveragedTensors | None, params: list[tuple[str, ShardedParam]], buffers: list[tuple[str, Tensor]]
+) -> list[tuple[str, ShardedParam | None, Tensor]]:
+    """The averaged tensors a save stores, as (the model's key, its parameter or ``None`` for a buffer, this rank's
+    tensor), in the model's order (see [Note: averaged weights in a checkpoint])."""
+    if averaged is None:
+        return []
+    out: list[tuple[str, ShardedParam | None, Tensor]] = []
+    for fqn, p in params:
+        tensor = next((averaged.tensors[f] for f in p.fqns if f in averaged.tensors), None)
+        if tensor is None or tensor.shape != p.sharded.shape:
+            raise CheckpointError(f"Internal error: the averaged weights hold no tensor shaped like {fqn}'s shard.")
+        out.append((fqn, p, tensor.detach()))
+    out += [(k, None, averaged.tensors[k].detach()) for k, _ in buffers if k in averaged.tensors]
+    return out
+
+
+def saved_tensors(
+    params: list[tuple[str, tuple[int, ...], torch.dtype]],
+    buffers: list[tuple[str, Tensor]],
+    optimizer_tensors: list[tuple[str, tuple[int, ...] | None, Tensor]],
+    split: bool,
+) -> list[SavedTensor]:
+    """Every tensor a checkpoint stores: parameters (name, global shape, dtype), buffers, and optimizer tensors (key,
+    the global shape of the parameter whose rows they are split like or ``None`` for scalar state, tensor). With
+    ``split``, parameters and the optimizer state shaped like them are split by rows over the shards."""
+    out = [SavedTensor(MODEL_PREFIX + fqn, shape, dtype, split) for fqn, shape, dtype in params]
+    out += [SavedTensor(MODEL_PREFIX + k, tuple(v.shape), v.dtype, False) for k, v in buffers]
+    for name, shape, value in optimizer_tensors:
+        out.append(SavedTensor(name, shape if shape is not None else tuple(value.shape), value.dtype,
+                               split and shape is not None))
+    return out
+
+
+def index_head(
+    layout: StateDictType,
+    world_size: int,
+    mesh: tuple[int, int],
+    sharding_strategy: str,
+    ties: dict[str, str],
+    optimizers: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Everything of an index but its files and tensors (see docs/checkpoint_format.md)."""
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "state_dict_type": layout.value,
+        "world_size": world_size,
+        "mesh": {"replicas": mesh[0], "shard_size": mesh[1]},
+        "sharding_strategy": sharding_strategy,
+        "ties": {MODEL_PREFIX + k: MODEL_PREFIX + v for k, v in ties.items()},
+        "optimizers": optimizers,
+    }
 
 
 def _optimizer_plan(engine: ShardedModule, optimizer: Optimizer, i: int) -> tuple[dict[str, Any], list[Any]]:
     """JSON metadata of optimizer ``i`` and its tensors as (key, ShardedParam or None, tensor)."""
     by_shard = {id(p.sharded): p for p in engine.sharded_params()}
+    shapes = {k: (p.fqn, p.sharded.shape, p.global_shape) for k, p in by_shard.items()}
+    meta, tensors = optimizer_plan(optimizer, i, shapes)
+    return meta, [(name, by_shard[pid] if pid is not None else None, value) for name, pid, value in tensors]
+
+
+def optimizer_plan(
+    optimizer: Optimizer, i: int, params: dict[int, tuple[str, torch.Size, torch.Size]]
+) -> tuple[dict[str, Any], list[tuple[str, int | None, Tensor]]]:
+    """JSON metadata of optimizer ``i`` and its tensors as (key, id of the parameter whose rows it is split like, or
+    ``None`` for scalar state, tensor). ``params``: id of each parameter the optimizer may hold -> (name, the shape
+    this rank holds, the global shape)."""
     state = optimizer.state_dict()
-    params = [q for group in optimizer.param_groups for q in group["params"]]
-    missing = [j for j, q in enumerate(params) if id(q) not in by_shard]
+    held = [q for group in optimizer.param_groups for q in group["params"]]
+    missing = [j for j, q in enumerate(held) if id(q) not in params]
     if missing:
         raise CheckpointError(f"Optimizer {i} holds tensors that are not parameters of the sharded model: {missing}.")
-    names = [by_shard[id(q)].fqn for q in params]
+    names = [params[id(q)][0] for q in held]
     groups = []
     for group in state["param_groups"]:
         g = {k: v for k, v in group.items() if k != "params"}
@@ -270,16 +440,16 @@ def _optimizer_plan(engine: ShardedModule, optimizer: Optimizer, i: int) -> tupl
     row_states: dict[str, list[str]] = {}  # 0-dim parameters' states split by rows like them (see the format doc)
     tensors: list[Any] = []
     for j, param_state in state["state"].items():
-        p = by_shard[id(params[j])]
+        fqn, local_shape, global_shape = params[id(held[j])]
         for key, value in param_state.items():
-            name = f"{OPTIMIZER_PREFIX}{i}/{p.fqn}/{key}"
+            name = f"{OPTIMIZER_PREFIX}{i}/{fqn}/{key}"
             if isinstance(value, Tensor):
-                sharded = value.dim() > 0 and value.shape == p.sharded.shape
-                tensors.append((name, p if sharded else None, value))
-                if sharded and not p.global_shape:
-                    row_states.setdefault(p.fqn, []).append(key)
+                sharded = value.dim() > 0 and value.shape == local_shape
+                tensors.append((name, id(held[j]) if sharded else None, value))
+                if sharded and not global_shape:
+                    row_states.setdefault(fqn, []).append(key)
             else:
-                values.setdefault(p.fqn, {})[key] = to_json_tree(value, {}, name)
+                values.setdefault(fqn, {})[key] = to_json_tree(value, {}, name)
     meta: dict[str, Any] = {"param_groups": groups, "values": values}
     if row_states:
         meta["scalar_param_states"] = row_states
@@ -288,13 +458,18 @@ def _optimizer_plan(engine: ShardedModule, optimizer: Optimizer, i: int) -> tupl
 
 class _ShardedWriter(_Plan):
     """Each rank of replica 0 writes its rows of every parameter and per-parameter optimizer tensor; rank 0 also
-    writes buffers and scalar optimizer state."""
+    writes buffers and scalar optimizer state (see [Note: rows by rule])."""
 
     def local_tensors(self) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
         """This rank's (key, tensor, rows) to write: views of the shards, optimizer state and buffers."""
         mesh = self.engine.mesh
         if mesh.replicate_rank != 0:
             return []  # replicas hold identical shards: replica 0 writes them
+        for fqn, p in self.params:  # the index records the rule, not the rows: they must agree
+            rows = (p.first_row, p.first_row + p.local_rows)
+            if p.local_rows and (p.shard_size != mesh.shard_size or rows != shard_rows(p.rows, mesh.shard_size,
+                                                                                      mesh.shard_rank)):
+                raise CheckpointError(f"Internal error: {fqn} holds rows {rows}, not those of shard {mesh.shard_rank}.")
         out: list[tuple[str, Tensor, tuple[int, int] | None]] = []
         for fqn, p in self.params:
             if p.local_rows > 0:
@@ -307,57 +482,61 @@ class _ShardedWriter(_Plan):
                     out.append((name, value, None))
         if self.rank == 0:
             out.extend((MODEL_PREFIX + k, v, None) for k, v in self.buffers)
+        for fqn, owner, value in self.averaged:  # see [Note: averaged weights in a checkpoint]
+            if owner is not None and owner.local_rows > 0:
+                out.append((AVERAGE_PREFIX + fqn, value, (owner.first_row, owner.first_row + owner.local_rows)))
+            elif owner is None and self.rank == 0:
+                out.append((AVERAGE_PREFIX + fqn, value, None))
         return out
 
-    def write_local(self) -> dict[str, Any]:
+    def write_local(self) -> list[FileRecord]:
         return self.write_tensors(self.local_tensors())
 
-    def write_tensors(self, local: list[tuple[str, Tensor, tuple[int, int] | None]]) -> dict[str, Any]:
+    def write_tensors(self, local: list[tuple[str, Tensor, tuple[int, int] | None]]) -> list[FileRecord]:
         """Write ``local`` (``local_tensors()`` or a copy of them) as this rank's file; return its record."""
         self.tmp.mkdir(parents=True, exist_ok=True)
-        if not local:
-            return {}
-        name = shard_file_name(self.rank, self.world_size)
-        writer = SafetensorsStreamWriter(self.tmp / name, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local])
-        pieces = {}
-        for key, tensor, rows in local:
-            crc = writer.write(key, tensor)
-            pieces[key] = {"file": name, "key": key, "rows": list(rows) if rows else [0, _rows(tensor)], "crc32": crc}
-        writer.close()
-        path = self.tmp / name
-        return {"file": name, "size": path.stat().st_size, "sha256": sha256_file(path), "pieces": pieces}
+        path = self.tmp / (self.file_prefix + shard_file_name(self.rank, self.world_size))
+        return write_shard_file(path, self.engine.mesh.shard_rank, local)
 
-    def index(self, records: list[dict[str, Any]], layout: StateDictType) -> dict[str, Any]:
-        index = self.index_base(layout)
-        for record in records:
-            if not record:
-                continue
-            index["files"][record["file"]] = {"size": record["size"], "sha256": record["sha256"]}
-            for key, piece in record["pieces"].items():
-                index["tensors"][key]["pieces"].append(piece)
-        for entry in index["tensors"].values():
-            entry["pieces"].sort(key=lambda piece: piece["rows"][0])
-        return index
+
+def write_shard_file(
+    path: Path, shard: int, local: list[tuple[str, Tensor, tuple[int, int] | None]]
+) -> list[FileRecord]:
+    """Write one shard's tensors (key, tensor, its rows or ``None`` when stored whole) as the safetensors file
+    ``path``, each tensor's CRC-32 in its header; its record (none when there is nothing to write)."""
+    if not local:
+        return []
+    writer = SafetensorsStreamWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local], checksums=True)
+    try:
+        for key, tensor, _ in local:
+            writer.write(key, tensor)
+    except BaseException:
+        writer.close_quietly()
+        raise
+    writer.close()
+    return [_record(path, shard, {key: key for key, _, rows in local if rows is None})]
 
 
 class _FullWriter(_Plan):
     """Rank 0 streams every full tensor into model.safetensors and optimizer.safetensors, one tensor in memory at a
     time; the other ranks take part in each tensor's all-gather."""
 
-    def write_local(self) -> dict[str, Any]:
+    def write_local(self) -> list[FileRecord]:
         self.tmp.mkdir(parents=True, exist_ok=True)
-        records: dict[str, Any] = {"files": {}, "pieces": {}}
         model: list[tuple[str, ShardedParam | None, Tensor]] = [
             (MODEL_PREFIX + fqn, p, p.sharded.detach()) for fqn, p in self.params
         ]
         model += [(MODEL_PREFIX + k, None, v) for k, v in self.buffers]
-        self._stream("model.safetensors", model, records)
+        records = self._stream(self.file_prefix + "model.safetensors", model)
         optim = [item for _, tensors in self.optimizers for item in tensors]
         if optim:
-            self._stream("optimizer.safetensors", optim, records)
+            records += self._stream(self.file_prefix + "optimizer.safetensors", optim)
+        if self.averaged:
+            averaged = [(AVERAGE_PREFIX + fqn, p, value) for fqn, p, value in self.averaged]
+            records += self._stream("average.safetensors", averaged)
         return records
 
-    def _stream(self, file: str, items: list[tuple[str, ShardedParam | None, Tensor]], records: dict[str, Any]) -> None:
+    def _stream(self, file: str, items: list[tuple[str, ShardedParam | None, Tensor]]) -> list[FileRecord]:
         """``items``: (key, the parameter whose rows ``local`` holds, or None if ``local`` is already full, local)."""
         writer = None
         in_file = {k: k.removeprefix(MODEL_PREFIX) for k, _, _ in items}  # model.safetensors: plain state_dict keys
@@ -365,30 +544,18 @@ class _FullWriter(_Plan):
             specs = [(in_file[k], t.dtype, tuple(p.global_shape) if p is not None else tuple(t.shape))
                      for k, p, t in items]
             metadata = {"format": FORMAT_NAME, "ties": json.dumps(self.ties)}
-            writer = SafetensorsStreamWriter(self.tmp / file, specs, metadata=metadata)
-        for key, p, local in items:
-            full = self.engine.gather_full(p, local) if p is not None else local
+            writer = SafetensorsStreamWriter(self.tmp / file, specs, metadata=metadata, checksums=True)
+        try:
+            for key, p, local in items:
+                full = self.engine.gather_full(p, local) if p is not None else local
+                if writer is not None:
+                    writer.write(in_file[key], full)
+                del full  # at most one full tensor at a time
+        except BaseException:
             if writer is not None:
-                crc = writer.write(in_file[key], full)
-                records["pieces"][key] = {"file": file, "key": in_file[key], "rows": [0, _rows(full)], "crc32": crc}
-            del full  # at most one full tensor at a time
-        if writer is not None:
-            writer.close()
-            path = self.tmp / file
-            records["files"][file] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-
-    def index(self, records: list[dict[str, Any]], layout: StateDictType) -> dict[str, Any]:
-        index = self.index_base(layout)
-        index["files"].update(records[0]["files"])
-        for key, piece in records[0]["pieces"].items():
-            index["tensors"][key]["pieces"].append(piece)
-        return index
-
-
-
-def _entry(shape: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:
-    return {"shape": list(shape), "dtype": dtype_name(dtype), "pieces": []}
-
-
-def _rows(t: Tensor) -> int:
-    return t.shape[0] if t.dim() > 0 else 1
+                writer.close_quietly()
+            raise
+        if writer is None:
+            return []
+        writer.close()
+        return [_record(self.tmp / file, None, in_file)]

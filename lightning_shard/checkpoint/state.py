@@ -9,6 +9,7 @@ tensors) go into the trainer state, never pickled.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,8 +19,10 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree, broadcast_str
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.load import LoadResult, load_model, load_optimizers, load_trainer_state
+from lightning_shard.checkpoint.load import LoadResult
 from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
+from lightning_shard.checkpoint.sources import open_checkpoint
+from lightning_shard.checkpoint.storage import Location, RemoteDirectory, location
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
 if TYPE_CHECKING:
@@ -29,18 +32,22 @@ TRAINER_PLACEHOLDERS = ("state_dict", "optimizer_states")  # keys of Lightning's
 
 
 def save_checkpoint(
-    path: str | Path,
+    path: str | Path | RemoteDirectory,
     module: nn.Module,
     optimizers: Sequence[Optimizer] = (),
     values: Mapping[str, Any] | None = None,
     layout: StateDictType | str = "sharded",
     saver: BackgroundSaver | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Write ``module`` (sharded by ``lightning_shard``), the state of ``optimizers`` (built on its shards) and
     ``values`` as a checkpoint directory at ``path``, atomically. Collective: every rank must call it.
 
     With a ``saver`` the files are written in the background: this returns once each rank has copied its rows
-    aside, and ``saver.wait()`` (or the next save) waits for the directory (see [Note: background saves])."""
+    aside, and ``saver.wait()`` (or the next save) waits for the directory (see [Note: background saves]).
+
+    ``path`` may be a URL of any protocol fsspec knows (``s3://bucket/run/ck``); ``storage_options`` go to its file
+    system (see [Note: committing to object storage])."""
     engine = _engine(module, "save_checkpoint")
     rest = dict(values or {})
     reserved = [k for k in rest if k in TRAINER_PLACEHOLDERS]
@@ -48,7 +55,7 @@ def save_checkpoint(
         raise ValueError(f"save_checkpoint: the value names {reserved} are reserved by the checkpoint format.")
     if optimizers:
         rest["optimizer_states"] = []  # tells the writer to store optimizer state
-    target = Path(broadcast_str(str(path)))
+    target = _target(path, storage_options)
     args = (engine, module, list(optimizers), rest, target, StateDictType.parse(layout))
     if saver is not None:
         saver.save(*args)
@@ -57,26 +64,45 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | Path, module: nn.Module, optimizers: Sequence[Optimizer] = (), strict: bool = True
+    path: str | Path | RemoteDirectory,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer] = (),
+    strict: bool = True,
+    *,
+    module_key: str | None = None,
+    optimizer_keys: Sequence[str] = (),
+    storage_options: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], LoadResult]:
-    """Fill ``module`` and ``optimizers`` in place from the checkpoint directory at ``path`` (written at any world
-    size, by either front end or by ``save_checkpoint``); return its plain values and the model's missing and
-    unexpected keys. ``optimizers`` must be all the checkpoint holds, in order, or none. Collective."""
+    """Fill ``module`` and ``optimizers`` in place from the checkpoint at ``path``; return its plain values and the
+    model's missing and unexpected keys. ``path`` is a checkpoint directory (written at any world size, by either
+    front end or by ``save_checkpoint``), a Lightning ``.ckpt`` file or a ``torch.distributed.checkpoint`` directory
+    (``lightning_shard.checkpoint.sources``; ``module_key`` and ``optimizer_keys`` name where a ``fabric.save`` of
+    another strategy keeps the module and optimizers). ``optimizers`` must be all the checkpoint holds, in order, or
+    none. A URL (``s3://...``, with ``storage_options`` for its file system) is read as a checkpoint directory,
+    each rank reading only its byte ranges. Collective."""
     engine = _engine(module, "load_checkpoint")
-    directory = Path(broadcast_str(str(path)))
-    values, index = agree(lambda: load_trainer_state(directory))
+    target = _target(path, storage_options)
+    source = agree(lambda: open_checkpoint(target, module_key, optimizer_keys))
+    values = source.trainer_state()
     for key in TRAINER_PLACEHOLDERS:
         values.pop(key, None)
-    stored = len(index.get("optimizers", []))
+    stored = source.optimizer_count
     if optimizers and len(optimizers) != stored:
         raise CheckpointError(
-            f"{directory} stores the state of {stored} optimizer(s) and {len(optimizers)} were given to load it"
+            f"{target} stores the state of {stored} optimizer(s) and {len(optimizers)} were given to load it"
             " into: pass all of them, in the order they were saved, or none."
         )
-    result = load_model(engine, module, directory, index, strict=strict)
+    result = source.load_model(engine, module, strict)
     if optimizers:
-        load_optimizers(engine, optimizers, directory, index, strict=strict)
+        source.load_optimizers(engine, optimizers, strict)
     return values, result
+
+
+def _target(path: str | os.PathLike[str] | RemoteDirectory, storage_options: dict[str, Any] | None) -> Location:
+    """Where ``path`` (rank 0's, for every rank) lives; a ``RemoteDirectory`` already is such a place."""
+    if isinstance(path, RemoteDirectory):
+        return path
+    return location(broadcast_str(os.fspath(path)), storage_options)  # the same on every rank, errors too
 
 
 def _engine(module: nn.Module, caller: str) -> ShardedModule:

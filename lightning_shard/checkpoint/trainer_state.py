@@ -20,6 +20,7 @@ def to_json_tree(obj: Any, tensors: dict[str, Tensor], path: str = "") -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, Tensor):
+        _refuse_dtensor(obj, path)
         key = _unique_key(tensors, path or "value")
         tensors[key] = obj.detach().cpu().clone()  # own storage: safetensors refuses shared memory
         return {"__tensor__": key}
@@ -64,6 +65,20 @@ def from_json_tree(obj: Any, tensors: dict[str, Tensor]) -> Any:
     if "__items__" in obj:
         return {_hashable(from_json_tree(k, tensors)): from_json_tree(v, tensors) for k, v in obj["__items__"]}
     return {k: from_json_tree(v, tensors) for k, v in obj.items()}
+
+
+def _refuse_dtensor(tensor: Tensor, path: str) -> None:
+    """A ``DTensor`` (this rank's shard of a distributed tensor: what ``checkpoint["state_dict"]`` holds during
+    ``trainer.save_checkpoint``) has no one value to store in the trainer state: refuse it, naming where it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        raise CheckpointError(
+            f"The checkpoint value at {path or '/'} is a DTensor (one rank's shard, as checkpoint['state_dict'] and"
+            " checkpoint['optimizer_states'] hold them during trainer.save_checkpoint), which the trainer state"
+            " cannot store. The model and optimizers are written from the shards already: do not copy those entries"
+            " under other keys; store a plain tensor instead (value.full_tensor(), called on every rank)."
+        )
 
 
 def _hashable(key: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Writing a safetensors file tensor by tensor, and the checksums the index records (CRC-32 per piece, SHA-256 per
-file)."""
+"""Writing a safetensors file tensor by tensor, with the checksums a checkpoint records: the CRC-32 of each tensor in
+the file's own header, the SHA-256 of each file in the index."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.format import _SAFETENSORS_DTYPES, CheckpointError
+from lightning_shard.checkpoint.format import _SAFETENSORS_DTYPES, CRC32_METADATA, CheckpointError
 
 
 def sha256_file(path: Path) -> str:
@@ -34,25 +34,35 @@ class SafetensorsStreamWriter:
     """Write a safetensors file whose tensors arrive one at a time, so that only one is ever in memory.
 
     The header (names, dtypes, shapes, offsets) is written first from ``specs``; ``write`` must then be
-    called once per tensor, in the order of ``specs``.
+    called once per tensor, in the order of ``specs``. With ``checksums``, the header's metadata records each
+    tensor's CRC-32 (``"crc32"``: 8 hex digits per tensor, in the order of ``specs``, which is the order of their
+    data): written as zeros first, filled in by ``close`` (the same number of bytes, so the data does not move).
     """
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
-        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+                 metadata: dict[str, str] | None = None, checksums: bool = False) -> None:
+        self._metadata = dict(metadata or {})
+        self._crcs: list[str] | None = ["0" * 8] * len(specs) if checksums else None
+        if self._crcs is not None:
+            self._metadata[CRC32_METADATA] = "".join(self._crcs)
+        self._header: dict[str, Any] = {"__metadata__": self._metadata} if self._metadata else {}
         offset = 0
         self._expected: list[tuple[str, int]] = []
         for name, dtype, shape in specs:
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            self._header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                                  "data_offsets": [offset, offset + nbytes]}
             self._expected.append((name, nbytes))
             offset += nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        encoded = self._encoded_header()
         self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self._header_bytes = len(encoded)
         self._next = 0
+
+    def _encoded_header(self) -> bytes:
+        encoded = json.dumps(self._header, separators=(",", ":")).encode()
+        return encoded + b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
 
     def write(self, name: str, tensor: Tensor) -> int:
         """Append ``tensor``'s bytes; return their CRC-32."""
@@ -61,19 +71,26 @@ class SafetensorsStreamWriter:
         if name != expected_name or data.nbytes != nbytes:
             raise CheckpointError(f"Internal error: expected {expected_name} ({nbytes} bytes), got {name}.")
         self._file.write(data.data)
+        crc = zlib.crc32(data.data) & 0xFFFFFFFF
+        if self._crcs is not None:
+            self._crcs[self._next] = f"{crc:08x}"
         self._next += 1
-        return zlib.crc32(data.data) & 0xFFFFFFFF
+        return crc
 
     def close_quietly(self) -> None:
         """Close after a failure, without the completeness check."""
         self._file.close()
 
     def close(self) -> None:
-        self._file.close()
-        if self._next != len(self._expected):
-            raise CheckpointError(f"Internal error: {len(self._expected) - self._next} tensors were not written.")
+        try:
+            if self._next != len(self._expected):
+                raise CheckpointError(f"Internal error: {len(self._expected) - self._next} tensors were not written.")
+            if self._crcs is not None:
+                self._metadata[CRC32_METADATA] = "".join(self._crcs)
+                encoded = self._encoded_header()
+                assert len(encoded) == self._header_bytes, "8 hex digits replace 8 zeros: the header keeps its size"
+                self._file.seek(8)
+                self._file.write(encoded)
+        finally:
+            self._file.close()
 
-
-# --------------------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------------------

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
 
 from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.common.fsdp_compat import (
+    check_fsdp_flags,
+    cpu_offload_flag,
+    mixed_precision_from_torch,
+    sharding_strategy_name,
+)
 from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import (
@@ -26,6 +32,11 @@ from lightning_shard.engine.policies import (
     WrapPolicySpec,
     resolve_wrap_policy,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import CPUOffload
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+    from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # long enough for a slow checkpoint write between two collectives, short
 # enough that a stalled rank is named within minutes rather than after torch's 30 (gloo) or a silent hang
@@ -54,31 +65,46 @@ class ShardOptions:
         cls,
         *,
         auto_wrap_policy: WrapPolicySpec = None,
-        sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
+        sharding_strategy: ShardingStrategyName | ShardingStrategy | TorchShardingStrategy = "FULL_SHARD",
         device_mesh: tuple[int, int] | None = None,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
         activation_checkpointing_policy: WrapPolicySpec = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] | StateDictType = "sharded",
-        cpu_offload: bool = False,
+        cpu_offload: bool | CPUOffload = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
         cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
         timeout: timedelta | None = None,
         process_group_backend: str | None = None,
+        use_orig_params: bool = True,
+        limit_all_gathers: bool = True,
+        sync_module_states: bool = True,
     ) -> ShardOptions:
-        """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values."""
+        """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values.
+
+        PyTorch FSDP's forms of the arguments Lightning's ``FSDPStrategy`` takes (a ``ShardingStrategy`` member, a
+        ``CPUOffload``, a ``MixedPrecision``, ``use_orig_params``/``limit_all_gathers``/``sync_module_states``) are
+        translated where they mean exactly what ours do, and refused otherwise (``common.fsdp_compat``)."""
+        check_fsdp_flags(
+            use_orig_params=use_orig_params, limit_all_gathers=limit_all_gathers, sync_module_states=sync_module_states
+        )
+        cpu_offload = cpu_offload_flag(cpu_offload)
+        mixed_precision = mixed_precision_from_torch(mixed_precision, has_wrap_policy=auto_wrap_policy is not None)
         if not isinstance(cpu_offload, bool):
-            raise TypeError(f"cpu_offload must be True or False, got {cpu_offload!r}.")
+            raise TypeError(
+                f"cpu_offload must be True or False, got {cpu_offload!r} (PyTorch's CPUOffload(offload_params=...) is"
+                " taken too)."
+            )
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}.")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
-                "mixed_precision must be a lightning_shard.MixedPrecision (or None), got"
-                f" {type(mixed_precision).__name__}. For the usual cases pass a precision string instead"
+                "mixed_precision must be a lightning_shard.MixedPrecision (or None), or PyTorch FSDP's MixedPrecision;"
+                f" got {type(mixed_precision).__name__}. For the usual cases pass a precision string instead"
                 " (precision='bf16-mixed' on the Trainer or Fabric)."
             )
-        strategy = ShardingStrategy.parse(sharding_strategy)
+        strategy = ShardingStrategy.parse(sharding_strategy_name(sharding_strategy))
         return cls(
             sharding_strategy=strategy,
             wrap_policy=resolve_wrap_policy(auto_wrap_policy),

@@ -4,11 +4,13 @@ script can call it directly (see ``shard_model``).
 One concern per module: ``policies`` (sharding strategies, wrap policies), ``mesh`` (which ranks shard and
 replicate together), ``param_shard`` (one parameter's rows and its two faces), ``unit`` and ``reduction`` (a
 unit's all-gather and its gradient reduction), ``collectives`` (the collectives as plain functions),
-``planning`` (which unit owns which parameter), ``buffers`` (buffers that follow DDP), ``sharded_module`` (the
-engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clipping``,
+``planning`` (which unit owns which parameter), ``wrapping`` (units marked by hand; other libraries' sharding
+wrappers refused), ``diagnostics`` (set-up warnings), ``buffers`` (buffers that follow DDP), ``sharded_module``
+(the engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clipping``,
 ``activation_checkpointing``, ``compile`` (compiled blocks with the sharding hooks outside the compiled code),
 ``cpu_allocator`` (glibc's malloc reusing the large blocks PyTorch frees every step on CPU),
-``memory`` (what a rank holds) and ``estimate`` (what it would hold).
+``memory`` (what a rank holds), ``estimate`` (what it would hold) and ``full_params`` (``summon_full_params``: the
+full weights in memory for a ``with`` block).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_shard.engine.clipping import clip_grad_norm_ as _clip_shards
 from lightning_shard.engine.cpu_allocator import CpuAllocator
+from lightning_shard.engine.full_params import summon_full_params
 from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import (
@@ -32,8 +35,9 @@ from lightning_shard.engine.policies import (
     resolve_wrap_policy,
 )
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
+from lightning_shard.engine.wrapping import mark_unit
 
-__all__ = ["ShardedModule", "clip_grad_norm_", "shard_model", "sharded_module_of"]
+__all__ = ["ShardedModule", "clip_grad_norm_", "mark_unit", "shard_model", "sharded_module_of", "summon_full_params"]
 
 
 def shard_model(
@@ -55,7 +59,8 @@ def shard_model(
     weights), each forward gathers the units it runs, and each backward leaves this rank's rows of the averaged
     gradients in ``.grad``. A model built on the meta device is materialised and initialised (``reset_parameters()``)
     one unit at a time, or with ``param_init="empty"`` left uninitialised for a load to fill (a forward before that
-    raises). The arguments mean what the strategies' arguments of the same names mean; ``device`` defaults to
+    raises). Modules marked with ``mark_unit`` are units besides those ``auto_wrap_policy`` selects. The
+    arguments mean what the strategies' arguments of the same names mean; ``device`` defaults to
     ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. The process group must exist
     (``torch.distributed.init_process_group``, e.g. under ``torchrun``).
     """

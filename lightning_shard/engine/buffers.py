@@ -1,5 +1,22 @@
-"""Buffers are not sharded: every rank holds all of them. They are synced at set-up and, during training, follow
-DDP (see [Note: buffers follow DDP] on ``BufferSync``)."""
+"""Buffers are not sharded: every rank holds all of them. They are given values at set-up when built on the meta
+device (see [Note: meta-device buffers]), synced at set-up and, during training, follow DDP (see [Note: buffers
+follow DDP] on ``BufferSync``).
+
+[Note: meta-device buffers]
+A model built on the meta device has meta buffers too. Nothing loads a non-persistent buffer (a rotary
+embedding's ``inv_freq``, a causal mask), so each must get its values from code at set-up:
+
+- a module that owns meta-device parameters and has ``reset_parameters()`` gets storage for its meta buffers
+  on its unit, just before that method runs and fills them (``ShardUnit.init_from_reset_parameters``), under
+  ``param_init="reset_parameters"``;
+- a module that owns no parameters but has ``reset_parameters()`` gets storage for its meta buffers on the
+  device, then that method runs once, before any unit is materialised (``initialize_parameterless_buffers``).
+  It runs under ``param_init="empty"`` as well: that setting spares the initialisation of parameters that a
+  load will overwrite, and such a module has none.
+
+Any other meta buffer would never hold values: set-up refuses the model before anything is sharded, naming
+each such buffer (``check_meta_buffers``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +26,69 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shard.engine import collectives
+from lightning_shard.engine.planning import initializer
+from lightning_shard.engine.policies import ParamInit
+
+
+def check_meta_buffers(root: nn.Module, param_init: ParamInit) -> list[tuple[str, nn.Module]]:
+    """The modules owning no parameters (with their names) whose ``reset_parameters()`` fills their meta buffers.
+    Raise ``TypeError`` naming every meta buffer that nothing would fill (see [Note: meta-device buffers])."""
+    to_reset: list[tuple[str, nn.Module]] = []
+    unfilled: list[str] = []
+    for module_name, module in root.named_modules():
+        meta = [name for name, buf in module._buffers.items() if buf is not None and buf.is_meta]
+        if not meta:
+            continue
+        why = _why_unfilled(module, param_init)
+        if why is None:
+            if not any(p is not None for p in module._parameters.values()):
+                to_reset.append((module_name, module))
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        unfilled += [f"{prefix}{name} ({type(module).__name__}: {why})" for name in meta]
+    if unfilled:
+        raise TypeError(
+            "These buffers were built on the meta device and nothing gives them values: " + ", ".join(unfilled) + "."
+            " Build them on a real device (inside the meta context too, e.g. self.register_buffer('mask',"
+            " torch.ones(n, n, device='cpu').tril(), persistent=False)), or give the module a reset_parameters()"
+            " that fills them (it runs at set-up)."
+        )
+    return to_reset
+
+
+def _why_unfilled(module: nn.Module, param_init: ParamInit) -> str | None:
+    """Why ``module``'s meta buffers would stay empty; ``None`` when its ``reset_parameters()`` will fill them."""
+    if initializer(module) is None:
+        return "no reset_parameters()"
+    params = [p for p in module._parameters.values() if p is not None]
+    if not params:
+        return None  # initialize_parameterless_buffers runs it
+    if not any(p.is_meta for p in params):
+        return "its parameters are not on the meta device, so its reset_parameters() does not run"
+    if param_init is ParamInit.EMPTY:
+        return "param_init='empty' runs no reset_parameters() of modules that own parameters"
+    return None  # the unit's materialisation runs it
+
+
+def initialize_parameterless_buffers(modules: Iterable[tuple[str, nn.Module]], device: torch.device) -> None:
+    """Give each of the named ``modules`` (owning no parameters) storage on ``device`` for its meta buffers and run
+    its ``reset_parameters()`` to fill them (see [Note: meta-device buffers])."""
+    with torch.no_grad():
+        for module_name, module in modules:
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_meta:
+                    module._buffers[name] = torch.empty_like(buf, device=device)
+            init = initializer(module)
+            assert init is not None  # check_meta_buffers passes only modules that have one
+            init()
+            prefix = f"{module_name}." if module_name else ""
+            still = [prefix + name for name, buf in module._buffers.items() if buf is not None and buf.is_meta]
+            if still:
+                raise TypeError(
+                    f"Buffers {', '.join(still)} of {type(module).__name__} are still on the meta device after its"
+                    " reset_parameters(): fill them there in place (self.buf.copy_(...)) or assign tensors built"
+                    " on a real device."
+                )
 
 
 def materialize_and_sync_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:

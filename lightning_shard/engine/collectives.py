@@ -7,17 +7,34 @@ still run forward after the ``Trainer`` has torn its process group down (samplin
 as with the collectives, which are also issued on the group object. The backend decides how a
 collective is done (see [Note: the fast path per backend] in docs/design.md):
 
-- On gloo with CPU tensors, a unit's all-gather and its gradient reduce-scatter are point-to-point
-  exchanges: every rank sends each peer what that peer needs and receives straight into place. The
-  gathered pieces land in the param-major buffer with no copy out of a receive buffer, and the
-  reduction moves half the bytes of an all-reduce (gloo's own ``reduce_scatter`` is slower still).
+- On gloo with CPU tensors and a shard group of at most ``POINT_TO_POINT_MAX_RANKS`` ranks, a unit's
+  all-gather and its gradient reduce-scatter are point-to-point exchanges: every rank sends each peer
+  what that peer needs and receives straight into place. The gathered pieces land in the param-major
+  buffer with no copy out of a receive buffer, and the reduction moves half the bytes of an all-reduce
+  (gloo's own ``reduce_scatter`` is slower still).
+- On gloo with CPU tensors and a larger shard group, ``all_gather_single`` into one rank-major buffer
+  (copied into the param-major one) and, for the reduction, ``all_to_all_single`` of a rank-major
+  buffer whose received rows this rank sums in rank order: one call each, whatever the group size
+  (see [Note: Python work per collective]).
 - On NCCL (and gloo with CUDA tensors), ``all_gather_single`` into one rank-major buffer (copied
   into the param-major one by a single kernel) and ``reduce_scatter_single``, asynchronous on the
   process group's stream.
+
+[Note: Python work per collective]
+A point-to-point exchange posts one ``send`` and one ``recv`` per peer and per parameter: its Python
+work grows with the shard group (at 1024 simulated ranks a tiny model's step made half a million
+Python calls). Above ``POINT_TO_POINT_MAX_RANKS`` ranks every collective is one call into the
+backend, which loops over the peers itself, so a step's Python work no longer depends on the world
+size. Up to it the exchanges stay: measured on 2, 4 and 8 gloo ranks (docs/benchmarks.md, "Scaling the
+world size (simulated)"), a training step took the same CPU time on both paths (within 4%), and the
+exchanges hold less memory (no rank-major gather buffer; one reduction buffer instead of two, none on
+two ranks). gloo's own ``reduce_scatter`` took two to five times as long as ``all_to_all`` for the
+same bytes, so the larger groups use ``all_to_all``.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,10 +108,35 @@ def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, a
 
 
 def exchanges_point_to_point(backend: str | None, device: torch.device) -> bool:
-    """Whether the fast path for tensors on ``device`` over a group of ``backend`` is the point-to-point ``exchange``:
-    gloo with CPU tensors. Otherwise (NCCL, or gloo with CUDA tensors) it is ``all_gather_flat`` with one copy and
-    ``reduce_scatter_sum``."""
+    """Whether the fast path for tensors on ``device`` over a group of ``backend`` is the point-to-point ``exchange``
+    (for groups of at most ``POINT_TO_POINT_MAX_RANKS``): gloo with CPU tensors. Otherwise (NCCL, or gloo with CUDA
+    tensors) it is ``all_gather_flat`` with one copy and ``reduce_scatter_sum``."""
     return device.type == "cpu" and backend is not None and "gloo" in backend
+
+
+POINT_TO_POINT_MAX_RANKS = 8  # see [Note: Python work per collective]
+
+
+class CollectivePath(enum.Enum):
+    """How a unit's all-gather and gradient reduction are done over its shard group (see the module docstring)."""
+
+    POINT_TO_POINT = enum.auto()  # gloo, CPU, small group: ``all_gather_pieces`` and ``reduce_scatter_exchange``
+    ALL_TO_ALL = enum.auto()  # gloo, CPU, larger group: ``all_gather_flat`` and ``reduce_scatter_all_to_all``
+    FLAT = enum.auto()  # NCCL (or gloo with CUDA tensors): ``all_gather_flat`` and ``reduce_scatter_sum``
+
+    @property
+    def gathers_in_place(self) -> bool:
+        """Whether the all-gather lands straight in the param-major buffer (else rank-major, then one copy)."""
+        return self is CollectivePath.POINT_TO_POINT
+
+
+def collective_path(backend: str | None, device: torch.device, group_size: int) -> CollectivePath:
+    """The path for a shard group of ``group_size`` ranks of ``backend`` with tensors on ``device``."""
+    if not exchanges_point_to_point(backend, device):
+        return CollectivePath.FLAT
+    if group_size <= POINT_TO_POINT_MAX_RANKS:
+        return CollectivePath.POINT_TO_POINT
+    return CollectivePath.ALL_TO_ALL
 
 
 def exchange(
@@ -181,6 +223,30 @@ def reduce_scatter_sum(
     STATS.seconds += time.perf_counter() - start
     result = out
     return Pending(work, lambda: result.div_(divide_by) if divide_by != 1 else result, activity)
+
+
+def reduce_scatter_all_to_all(
+    full: Tensor, received: Tensor, group: ProcessGroup, async_op: bool = False, divide_by: int = 1,
+    out: Tensor | None = None,
+) -> Pending:
+    """Sum ``full`` (1D, ``group size`` equal chunks) over the group as gloo does it fastest for many ranks: every
+    rank sends each peer that peer's chunk in one ``all_to_all_single`` into ``received`` (1D, the size of ``full``),
+    then sums the received chunks in rank order, the same order on every rank. ``wait()`` gives this rank's chunk
+    (in ``out``, 1D, if given; else a new tensor) divided by ``divide_by``."""
+    group_size = group.size()
+    start = time.perf_counter()
+    STATS.reduce_bytes += full.numel() * full.element_size()
+    activity = RECORD.enter("reduce-scatter")
+    with record_function("lightning_shard::reduce_scatter"), watching(activity):
+        work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
+    STATS.seconds += time.perf_counter() - start
+
+    def summed() -> Tensor:
+        rows = received.view(group_size, -1)
+        result = torch.sum(rows, 0, out=out) if out is not None else torch.sum(rows, 0)
+        return result.div_(divide_by) if divide_by != 1 else result
+
+    return Pending(work, summed, activity)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:

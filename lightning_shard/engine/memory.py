@@ -56,10 +56,15 @@ class MemoryReport:
 
 
 def memory_report(engine: ShardedModule, optimizers: Iterable[Optimizer], rank: int) -> MemoryReport:
-    """Count the bytes of the sharded parameters, their gradients and the optimizer state on this rank."""
+    """Count the bytes of the sharded parameters, their gradients and the optimizer state on this rank. Gradients
+    are the memory this rank holds for them: each unit's gradient buffer once it has one (kept through
+    ``zero_grad()``, see [Note: the buffer pool]), and any other ``.grad`` of a shard."""
     by_shard = {id(p.sharded): p for p in engine.sharded_params()}
     param_storages = {u.flat_sharded.untyped_storage().data_ptr(): u.flat_sharded.nbytes for u in engine.units}
     grads = [p.sharded.grad for p in by_shard.values() if p.sharded.grad is not None]
+    # The gradient memory a unit keeps from its first reduction on: still held after zero_grad() sets .grad to None
+    # (the next reduction lands in it), so it counts whether or not a .grad views it now.
+    grads += [u.sharded_grads for u in engine.units if u.sharded_grads is not None]
     full_params = sum(p.numel * p.sharded.element_size() for p in by_shard.values())
     full_grads = sum(p.numel * p.sharded.element_size() for p in by_shard.values() if p.requires_grad)
     full_state_bytes = 0

@@ -5,16 +5,36 @@ Every sharding strategy is one shape of the same 2-D mesh ``(replicas, shard_siz
 ``HYBRID_SHARD`` is whatever ``device_mesh`` says. Rank ``r`` sits at row ``r // shard_size``,
 column ``r % shard_size``: the ranks of one row shard a parameter among themselves (the shard
 group), the ranks of one column hold the same shard and all-reduce its gradient (the replicate group).
+
+[Note: the DeviceMesh of a ShardMesh]
+State dicts hand out shards as ``DTensor``s, which need the mesh as a ``torch.distributed`` ``DeviceMesh``.
+``ShardMesh.device_mesh`` builds it from the process groups the mesh already has (``DeviceMesh.from_group``:
+no new communicator for an axis that communicates), in the shape FSDP2 uses for the same layout:
+``FULL_SHARD``/``SHARD_GRAD_OP`` a 1-D mesh ``("shard",)`` over the shard group, ``NO_SHARD`` a 1-D mesh
+``("replicate",)`` over the replicate group (either one the default group at world size 1), ``HYBRID_SHARD``
+the 2-D mesh ``("replicate", "shard")`` of shape ``(replicas, shard_size)`` that ``device_mesh`` named. An
+axis of size 1 of that 2-D mesh has no group here, so this rank gets a group of its own for it, created
+locally (``use_local_synchronization``: no other rank takes part). It is built on first use, cached, rebuilt if
+the groups change (``ShardedModule.rebind_mesh``), and dropped with the groups it created by ``destroy()``. A
+model outlives its run: the Trainer's teardown destroys the groups this mesh created, while state dicts may still be
+read after ``fit`` returned. A ``DTensor`` finds its groups by name, so a destroyed group is replaced by a new group
+of the same ranks, created by its members alone; state-dict reads are collective, so every member builds the mesh
+at the same point, in the same order (the replicate axis first).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_shard.engine.policies import ShardingStrategy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -35,6 +55,7 @@ class ShardMesh:
     # each), but this rank holds only a placeholder for them: no timeout to set, nothing to destroy.
     owned_groups: list[ProcessGroup] = field(default_factory=list)
     shard_backend: str | None = None  # the shard group's backend, recorded while the group is registered
+    _device_mesh: _DeviceMeshCache | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shard_rank(self) -> int:
@@ -47,9 +68,93 @@ class ShardMesh:
 
     def destroy(self) -> None:
         """Destroy the sub-groups this mesh created (never the default group)."""
+        self._drop_device_mesh()
         for group in self.owned_groups:
             dist.destroy_process_group(group)
         self.owned_groups.clear()
+
+    # DeviceMesh: see [Note: the DeviceMesh of a ShardMesh] #
+
+    def device_mesh(self, strategy: ShardingStrategy, device_type: str) -> DeviceMesh:
+        """This mesh as a ``DeviceMesh`` for ``device_type`` (``"cpu"``, ``"cuda"``) with dimension names
+        ``"shard"`` and/or ``"replicate"``; built from the existing groups on first use and cached. Not a collective.
+        """
+        groups = (self.shard_group, self.replicate_group)
+        cached = self._device_mesh
+        if cached is not None and cached.matches(strategy, device_type, groups):
+            return cached.mesh
+        self._drop_device_mesh()
+        self._device_mesh = _DeviceMeshCache.build(self, strategy, device_type)
+        return self._device_mesh.mesh
+
+    def _drop_device_mesh(self) -> None:
+        cached, self._device_mesh = self._device_mesh, None
+        if cached is not None:
+            for group in cached.own_groups:
+                if dist.is_initialized():  # else it went with the default group
+                    dist.destroy_process_group(group)
+
+
+@dataclass
+class _DeviceMeshCache:
+    """A ``DeviceMesh`` built for a strategy and device type from the mesh's groups ``groups`` (compared by identity),
+    over the live groups ``used``, some of them created for it (``own_groups``)."""
+
+    strategy: ShardingStrategy
+    device_type: str
+    groups: tuple[ProcessGroup | None, ProcessGroup | None]
+    mesh: DeviceMesh
+    used: list[ProcessGroup]
+    own_groups: list[ProcessGroup]
+
+    def matches(
+        self, strategy: ShardingStrategy, device_type: str, groups: tuple[ProcessGroup | None, ProcessGroup | None]
+    ) -> bool:
+        same_groups = all(a is b for a, b in zip(self.groups, groups))
+        alive = all(_is_registered(group) for group in self.used)
+        return self.strategy is strategy and self.device_type == device_type and same_groups and alive
+
+    @classmethod
+    def build(cls, mesh: ShardMesh, strategy: ShardingStrategy, device_type: str) -> _DeviceMeshCache:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        own: list[ProcessGroup] = []
+        row = list(range(mesh.replicate_rank * mesh.shard_size, (mesh.replicate_rank + 1) * mesh.shard_size))
+        column = list(range(mesh.shard_rank, mesh.world_size, mesh.shard_size))
+
+        def live(group: ProcessGroup | None, ranks: list[int]) -> ProcessGroup:
+            """``group``, or a new group of ``ranks`` (this rank's row or column) if it has none (an axis of size 1)
+            or it was destroyed: its members create it, every member as it builds this mesh."""
+            if group is not None and _is_registered(group):
+                return group
+            own.append(dist.new_group(ranks, use_local_synchronization=True))
+            return own[-1]
+
+        match strategy:
+            case ShardingStrategy.FULL_SHARD | ShardingStrategy.SHARD_GRAD_OP:
+                used = [live(mesh.shard_group or dist.group.WORLD, row)]
+                device_mesh = DeviceMesh.from_group(used[0], device_type, mesh_dim_names=("shard",))
+            case ShardingStrategy.NO_SHARD:
+                used = [live(mesh.replicate_group or dist.group.WORLD, column)]
+                device_mesh = DeviceMesh.from_group(used[0], device_type, mesh_dim_names=("replicate",))
+            case ShardingStrategy.HYBRID_SHARD:
+                used = [live(mesh.replicate_group, column), live(mesh.shard_group, row)]
+                layout = torch.arange(mesh.world_size).view(mesh.replicas, mesh.shard_size)
+                device_mesh = DeviceMesh.from_group(
+                    used, device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
+                )
+            case _:
+                raise AssertionError(strategy)
+        return cls(strategy, device_type, (mesh.shard_group, mesh.replicate_group), device_mesh, used, own)
+
+
+def _is_registered(group: ProcessGroup) -> bool:
+    """Whether ``group`` is still a live process group (not destroyed, e.g. by the Trainer's teardown)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def mesh_shape(strategy: ShardingStrategy, world_size: int, device_mesh: tuple[int, int] | None) -> tuple[int, int]:

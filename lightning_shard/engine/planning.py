@@ -6,6 +6,9 @@ subtrees (tied weights: an embedding and the LM head; a module shared by two blo
 the lowest unit that contains both: it is stored once, gathered whenever that unit is, and its
 gradient from every use accumulates on one unsharded face before the single reduction. That
 unit's forward encloses every use, so the weight is gathered wherever it is needed.
+
+The units are the root, the modules ``auto_wrap_policy`` selects and the modules marked by hand (see
+[Note: manual units] in ``wrapping``), each once.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_shard.engine.activation_checkpointing import refuse_units_inside_checkpoint_wrappers
 from lightning_shard.engine.policies import WrapPolicy, select_unit_modules
+from lightning_shard.engine.wrapping import marked_units
 
 
 def plan_units(
@@ -25,7 +30,8 @@ def plan_units(
 
     See [Note: which unit owns a parameter].
     """
-    unit_modules = [("", root), *select_unit_modules(root, policy)]
+    unit_modules = [("", root), *unit_modules_below(root, policy)]
+    refuse_units_inside_checkpoint_wrappers(root, unit_modules)
     unit_ids = {id(m) for _, m in unit_modules}
     uses, params_by_id = _collect_parameters(root, unit_ids)
     parent_unit = _unit_parents(root, unit_ids)
@@ -33,6 +39,13 @@ def plan_units(
     for pid, use in uses.items():
         owned[_lowest_common_unit(sorted(use.unit_ids), parent_unit)].append((use, params_by_id[pid]))
     return [(name, module, owned[id(module)]) for name, module in unit_modules]
+
+
+def unit_modules_below(root: nn.Module, policy: WrapPolicy | None) -> list[tuple[str, nn.Module]]:
+    """The units below the root, in module order: the modules marked by hand and those ``policy`` selects."""
+    marked = marked_units(root)
+    chosen = {id(m) for _, m in marked} | {id(m) for _, m in select_unit_modules(root, policy, [m for _, m in marked])}
+    return [(name, m) for name, m in root.named_modules() if m is not root and id(m) in chosen]
 
 
 def _collect_parameters(root: nn.Module, unit_ids: set[int]) -> tuple[dict[int, _ParamUse], dict[int, nn.Parameter]]:

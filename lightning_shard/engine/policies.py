@@ -7,11 +7,13 @@ value fails on every rank before any process group work starts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from torch import nn
+
+from lightning_shard.engine.fsdp_policies import FSDPWrapPolicy, is_fsdp_policy
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 E = TypeVar("E", bound=enum.Enum)
@@ -144,7 +146,7 @@ class SizeWrapPolicy:
             raise ValueError(f"auto_wrap_policy as a parameter count must be >= 1, got {self.min_num_params}.")
 
 
-WrapPolicy = ModuleClassWrapPolicy | CallableWrapPolicy | SizeWrapPolicy
+WrapPolicy = ModuleClassWrapPolicy | CallableWrapPolicy | SizeWrapPolicy | FSDPWrapPolicy
 WrapPolicySpec = (
     list[str]
     | set[str]
@@ -161,8 +163,12 @@ WrapPolicySpec = (
 
 def resolve_wrap_policy(spec: WrapPolicySpec, argument: str = "auto_wrap_policy") -> WrapPolicy | None:
     """Turn what a user passed as ``auto_wrap_policy`` (or ``argument``, e.g. ``activation_checkpointing_policy``)
-    into a policy object (``None``: the root is the only unit); a bad value raises naming ``argument``."""
-    if spec is None or isinstance(spec, (ModuleClassWrapPolicy, CallableWrapPolicy, SizeWrapPolicy)):
+    into a policy object (``None``: the root is the only unit); a bad value raises naming ``argument``.
+
+    PyTorch FSDP's own policies (``ModuleWrapPolicy``, ``CustomPolicy``, ``always_wrap_policy`` and the
+    ``functools.partial`` forms of ``size_based_auto_wrap_policy``, ``transformer_auto_wrap_policy``,
+    ``lambda_auto_wrap_policy``) select what FSDP would wrap: see ``lightning_shard.engine.fsdp_policies``."""
+    if spec is None or isinstance(spec, (ModuleClassWrapPolicy, CallableWrapPolicy, SizeWrapPolicy, FSDPWrapPolicy)):
         return spec
     if isinstance(spec, bool):
         raise TypeError(f"{argument} must be module classes, class names, a callable or an int, not a bool.")
@@ -172,7 +178,10 @@ def resolve_wrap_policy(spec: WrapPolicySpec, argument: str = "auto_wrap_policy"
         return SizeWrapPolicy(spec)
     if isinstance(spec, (str, type)):
         return ModuleClassWrapPolicy(frozenset([spec]))
+    if is_fsdp_policy(spec):
+        return FSDPWrapPolicy(spec)
     if callable(spec):
+        _check_takes_module_and_name(spec, argument)
         return CallableWrapPolicy(spec)
     if isinstance(spec, Iterable):
         items = list(spec)
@@ -186,16 +195,22 @@ def resolve_wrap_policy(spec: WrapPolicySpec, argument: str = "auto_wrap_policy"
     )
 
 
-def select_unit_modules(root: nn.Module, policy: WrapPolicy | None) -> list[tuple[str, nn.Module]]:
-    """The modules below ``root`` that become sharding units, in module order (the root itself is always one)."""
+def select_unit_modules(
+    root: nn.Module, policy: WrapPolicy | None, taken: Collection[nn.Module] = ()
+) -> list[tuple[str, nn.Module]]:
+    """The modules below ``root`` that become sharding units, in module order (the root itself is always one).
+
+    ``taken`` are units chosen otherwise (marked by hand): a size policy counts their parameters as claimed."""
     if policy is None:
         return []
+    if isinstance(policy, FSDPWrapPolicy):
+        return _units_among(root, policy.targets(root, taken))
     if isinstance(policy, ModuleClassWrapPolicy):
         policy.check_matches(root)
     if isinstance(policy, SizeWrapPolicy):
-        return _select_by_size(root, policy.min_num_params)
+        return _select_by_size(root, policy.min_num_params, {id(m) for m in taken})
     selected = [(name, m) for name, m in root.named_modules() if m is not root and policy(m, name)]
-    containers = sorted({type(m).__name__ for _, m in selected if not _is_callable_module(m)})
+    containers = sorted({type(m).__name__ for _, m in selected if not is_callable_module(m)})
     if containers:
         raise ValueError(
             f"auto_wrap_policy selects {', '.join(containers)}, which has no forward(): a unit is gathered when its"
@@ -204,7 +219,7 @@ def select_unit_modules(root: nn.Module, policy: WrapPolicy | None) -> list[tupl
     return selected
 
 
-def _is_callable_module(module: nn.Module) -> bool:
+def is_callable_module(module: nn.Module) -> bool:
     """Containers such as nn.ModuleList/nn.ModuleDict keep nn.Module's unimplemented forward."""
     return type(module).forward is not nn.Module.forward
 
@@ -212,21 +227,23 @@ def _is_callable_module(module: nn.Module) -> bool:
 # Modules that use their children's weights without calling the children (nn.MultiheadAttention reads
 # out_proj.weight in its functional forward): a child of one made a unit would never be gathered, so the size
 # policy counts their children as their own, as PyTorch's size-based wrap policy does.
-_READS_CHILDREN_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+READS_CHILDREN_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
-def _select_by_size(root: nn.Module, min_num_params: int) -> list[tuple[str, nn.Module]]:
+def _select_by_size(root: nn.Module, min_num_params: int, taken: set[int]) -> list[tuple[str, nn.Module]]:
     selected: list[tuple[str, nn.Module]] = []
 
     def visit(module: nn.Module, name: str) -> int:
         """Parameters under ``module`` not yet claimed by a selected descendant."""
-        if isinstance(module, _READS_CHILDREN_WEIGHTS):
+        if isinstance(module, READS_CHILDREN_WEIGHTS):
             remaining = sum(p.numel() for p in module.parameters())
         else:
             remaining = sum(p.numel() for p in module.parameters(recurse=False))
             for child_name, child in module.named_children():
                 remaining += visit(child, f"{name}.{child_name}" if name else child_name)
-        if module is not root and remaining >= min_num_params and _is_callable_module(module):
+        if id(module) in taken:  # a unit already: its parameters are claimed
+            return 0
+        if module is not root and remaining >= min_num_params and is_callable_module(module):
             selected.append((name, module))
             return 0
         return remaining
@@ -234,6 +251,34 @@ def _select_by_size(root: nn.Module, min_num_params: int) -> list[tuple[str, nn.
     visit(root, "")
     order = {id(m): i for i, m in enumerate(root.modules())}
     return sorted(selected, key=lambda item: order[id(item[1])])
+
+
+def _check_takes_module_and_name(fn: Callable[..., object], argument: str) -> None:
+    """Refuse, when the strategy is built, a callable that cannot be called as ``fn(module, name)``."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(nn.Module(), "")
+    except TypeError as err:
+        raise TypeError(
+            f"{argument} as a callable is called as fn(module, name) -> bool (or is one of PyTorch FSDP's policies,"
+            f" whose parameters are (module, recurse, nonwrapped_numel)); {fn!r} cannot be: {err}."
+        ) from None
+    except ValueError:  # no signature to inspect (a builtin): it is called as it is
+        pass
+
+
+def _units_among(root: nn.Module, chosen: set[int]) -> list[tuple[str, nn.Module]]:
+    """The chosen modules that can be units, in module order. A PyTorch FSDP policy may choose a container (FSDP
+    wraps it; it owns nothing once its children are units) or a submodule ``READS_CHILDREN_WEIGHTS`` modules read
+    without calling; neither would ever be gathered, so their parameters stay with the unit around them."""
+    readers = [m for m in root.modules() if isinstance(m, READS_CHILDREN_WEIGHTS)]
+    unreadable = {id(inner) for m in readers for inner in m.modules() if inner is not m}
+    return [
+        (name, m)
+        for name, m in root.named_modules()
+        if id(m) in chosen and is_callable_module(m) and id(m) not in unreadable
+    ]
 
 
 def _class_label(c: type | str) -> str:

@@ -3,8 +3,10 @@ sharded faces' ``.grad``, as DDP averages them.
 
 Each rank's part of the reduction ends with one "was used" flag per trainable parameter, so that after the sum
 every rank knows which parameters got a gradient on some rank: those unused everywhere keep ``grad=None``, as
-with DDP. On gloo with CPU tensors the reduce-scatter is a point-to-point exchange (see [Note: the fast path per
-backend] in ``collectives``); elsewhere it is one ``reduce_scatter`` of a rank-major buffer.
+with DDP. On gloo with CPU tensors the reduce-scatter is a point-to-point exchange for small shard groups and one
+``all_to_all`` of a rank-major buffer for larger ones (see [Note: the fast path per backend] in docs/design.md and
+[Note: Python work per collective] in ``collectives``); elsewhere it is one ``reduce_scatter`` of a rank-major
+buffer.
 
 The reduced rows land in the unit's ``sharded_grads`` (the shards' ``.grad`` are views of it): straight there
 when the shards have no gradient yet and nothing needs casting or downloading, otherwise through a receive
@@ -36,7 +38,8 @@ def start_reduction(unit: ShardUnit, async_op: bool) -> collectives.Pending:
         p.unsharded.grad = None
     if mesh.world_size == 1:  # nothing to average: the gradients become the shards' gradients as they are
         return collectives.Pending(None, functools.partial(_keep_local_grads, unit, grads))
-    if mesh.shard_group is not None and collectives.exchanges_point_to_point(mesh.shard_backend, unit.device):
+    path = collectives.collective_path(mesh.shard_backend, unit.device, mesh.shard_size)
+    if mesh.shard_group is not None and path is collectives.CollectivePath.POINT_TO_POINT:
         return _start_exchange(unit, grads)
     device = unit.device
     present = {g.dtype for g in grads if g is not None}
@@ -61,10 +64,17 @@ def start_reduction(unit: ShardUnit, async_op: bool) -> collectives.Pending:
     landing = _direct_landing(unit)
     out_block = None if landing is not None else unit.pool.take(width * unit.reduce_dtype.itemsize, device)
     out = landing if landing is not None else out_block.view(unit.reduce_dtype)  # type: ignore[union-attr]
-    reduction = collectives.reduce_scatter_sum(
-        chunked.view(-1), mesh.shard_group, async_op, mesh.world_size if power_of_two else 1, out=out
-    )
+    divide_by = mesh.world_size if power_of_two else 1
     blocks = [chunked_block] if out_block is None else [chunked_block, out_block]
+    if path is collectives.CollectivePath.ALL_TO_ALL:  # gloo, many ranks: see [Note: Python work per collective]
+        received_block = unit.pool.take(n * width * unit.reduce_dtype.itemsize, device)
+        blocks.append(received_block)
+        received = received_block.view(unit.reduce_dtype)
+        reduction = collectives.reduce_scatter_all_to_all(
+            chunked.view(-1), received, mesh.shard_group, async_op, divide_by, out=out
+        )
+    else:
+        reduction = collectives.reduce_scatter_sum(chunked.view(-1), mesh.shard_group, async_op, divide_by, out=out)
     return collectives.Pending(None, lambda: _finish(unit, _result(reduction), used_here, blocks))
 
 def _start_exchange(unit: ShardUnit, grads: list[Tensor | None]) -> collectives.Pending:

@@ -4,12 +4,15 @@
 A model built on the meta device is materialised one unit at a time and initialised by each owning
 module's ``reset_parameters()``. A module without one (transformers' ``Conv1D``, many custom layers)
 cannot initialise its parameters, which is fine when pretrained weights are about to be loaded: its
-shards are materialised uninitialised and recorded in ``ShardedModule.uninitialized``. Loading
+shards are materialised uninitialised and recorded in ``ShardedModule.uninitialized``, and set-up warns
+once (global rank 0), naming those modules and the ways out; a model built to be trained from scratch
+learns of a missing ``reset_parameters()`` then rather than at its first forward. Loading
 (``load_safetensors_into``, a checkpoint, ``fabric.load_raw``) removes what it fills; any forward of
 a unit while something is left raises on every rank, naming each such parameter, so uninitialised
 memory is never trained on. With ``param_init=ParamInit.EMPTY`` no ``reset_parameters()`` runs at all:
 every meta-device parameter is recorded, and no unit is materialised in full, so importing pretrained
-weights costs each rank its shards and one tensor's rows at a time.
+weights costs each rank its shards and one tensor's rows at a time. That setting says a load will fill
+every parameter, so it gets no warning: the forward before the load still raises.
 
 ``shard_module`` takes the units ``planning`` chose (see [Note: which unit owns a parameter] there),
 initialises their shards, syncs the buffers (``buffers``) and registers the hooks; ``ShardedModule``
@@ -66,15 +69,22 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.buffer_pool import BufferPool
-from lightning_shard.engine.buffers import BufferSync, materialize_and_sync_buffers
+from lightning_shard.engine.buffers import (
+    BufferSync,
+    check_meta_buffers,
+    initialize_parameterless_buffers,
+    materialize_and_sync_buffers,
+)
 from lightning_shard.engine.compile import adopt_compiled_wrappers, outside_compiled_code
 from lightning_shard.engine.cpu_allocator import CpuAllocator, apply_cpu_allocator
+from lightning_shard.engine.diagnostics import warn_rank0
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision, parse_dtype
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units, without_reset_parameters
 from lightning_shard.engine.policies import ParamInit, ShardingStrategy, WrapPolicy
 from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
+from lightning_shard.engine.wrapping import refuse_foreign_sharding
 
 _ENGINE_ATTR = "_lightning_shard_engine"
 
@@ -311,8 +321,10 @@ def shard_module(
     if existing is not None:  # sharded before (an earlier stage or Trainer): keep the shards, use the new groups
         existing.rebind_mesh(mesh)
         return existing
+    refuse_foreign_sharding(root)
     adopt_compiled_wrappers(root)  # see [Note: compiled blocks and the sharding hooks] in compile.py
-    plan = plan_units(root, policy)
+    plan = plan_units(root, policy)  # auto_wrap_policy and manual units: see [Note: manual units] in wrapping.py
+    parameterless = check_meta_buffers(root, param_init)  # see [Note: meta-device buffers] in buffers.py
     unit_modules = [(name, module) for name, module, _ in plan]
     assignment: dict[int, list[ShardedParam]] = {id(m): [] for _, m in unit_modules}
     meta_modules: dict[int, list[nn.Module]] = {id(m): [] for _, m in unit_modules}
@@ -333,6 +345,7 @@ def shard_module(
         assignment[unit_id].append(sp)
         full[id(sp)] = param
     uninitialized: dict[str, str] = {}  # see [Note: parameters nothing initialises]
+    nothing_initialises: dict[int, str] = {}  # id(module) -> "name (Class)", under RESET_PARAMETERS
     names = {id(m): n or "<root>" for n, m in root.named_modules()}
     for unit_id, sps in assignment.items():
         for sp in sps:
@@ -341,9 +354,14 @@ def shard_module(
             if param_init is ParamInit.EMPTY or all(without_reset_parameters(m) for m, _ in sp.owners):
                 owner = sp.owners[0][0]
                 uninitialized[sp.fqn] = f"{sp.fqn} ({names.get(id(owner), '?')}: {type(owner).__name__})"
+                if param_init is ParamInit.RESET_PARAMETERS:
+                    nothing_initialises[id(owner)] = f"{names.get(id(owner), '?')} ({type(owner).__name__})"
             for m, _ in sp.owners:
                 if not without_reset_parameters(m) and all(m is not x for x in meta_modules[unit_id]):
                     meta_modules[unit_id].append(m)
+    if nothing_initialises:
+        _warn_nothing_initialises(list(nothing_initialises.values()))
+    initialize_parameterless_buffers(parameterless, device)
 
     reshard = strategy.reshards_after_forward
     units: list[ShardUnit] = []
@@ -372,6 +390,20 @@ def shard_module(
     return engine
 
 
+def _warn_nothing_initialises(modules: list[str]) -> None:
+    """Name, once at set-up, the modules whose meta-device parameters nothing initialises (see [Note: parameters
+    nothing initialises]). Not given with ``param_init="empty"``, which asks for exactly that."""
+    warn_rank0(
+        "These modules own parameters built on the meta device but have no reset_parameters(), so nothing"
+        " initialises them: " + ", ".join(modules) + ". Their shards hold uninitialised memory, and a forward"
+        " raises until weights are loaded. Load the weights before the first forward (load_safetensors_into(),"
+        " e.g. from on_fit_start, or fabric.load_raw() after setup_module), give these modules a"
+        " reset_parameters(), or pass param_init='empty' if the whole model is loaded (it initialises nothing"
+        " and does not warn).",
+        stacklevel=4,
+    )
+
+
 def _rows_of_full_tensors(engine: ShardedModule):  # noqa: ANN202
     """A ``load_state_dict`` pre-hook of the sharded root: a state dict of full tensors (a plain model's, a
     consolidated checkpoint's) loads as it would into the unsharded model, each rank taking its rows of every sharded
@@ -386,6 +418,8 @@ def _rows_of_full_tensors(engine: ShardedModule):  # noqa: ANN202
     Parameters loaded this way count as initialised (see [Note: parameters nothing initialises])."""
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if engine.root_unit.state is UnitState.SUMMONED:  # the modules hold full tensors: torch loads into them
+            return
         if any(unit.backward_state is BackwardState.PENDING for unit in engine.units):
             raise RuntimeError(
                 "load_state_dict() was called between a forward and its backward: the weights that backward needs"
@@ -444,6 +478,8 @@ def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | N
     input_dtype = parse_dtype(mixed_precision.param_dtype) if mixed_precision and casts_inputs else None
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if root_unit.state is UnitState.SUMMONED:  # a plain model: see [Note: summon_full_params] in full_params.py
+            return args, kwargs
         if root_unit._forward_depth == 0 and not engine._callback_queued:
             engine.discard_pending()
             engine.start_forward_pass()

@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_shard.engine import collectives
 from lightning_shard.engine.autograd_nodes import ReachedByBackward, RegisterPostBackward
 from lightning_shard.engine.buffer_pool import BufferPool
+from lightning_shard.engine.initial_values import values_of_rank0
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import initializer
@@ -78,6 +79,8 @@ class UnitState(enum.Enum):
     SHARDED = enum.auto()  # only this rank's chunk exists; modules hold the sharded faces
     GATHERING = enum.auto()  # a prefetch all-gather is in flight; modules still hold the sharded faces
     UNSHARDED = enum.auto()  # full weights gathered; modules hold the unsharded faces
+    SUMMONED = enum.auto()  # inside summon_full_params: modules hold full copies in the parameters' own dtype and
+    # run as plain modules (the hooks leave the unit alone); see [Note: summon_full_params] in full_params.py
 
 
 class BackwardState(enum.Enum):
@@ -244,7 +247,7 @@ class ShardUnit:
 
     def unshard(self) -> None:
         """Gather the full weights into ``flat_unsharded`` and put the unsharded faces on the modules."""
-        if self.state is UnitState.UNSHARDED:
+        if self.state in (UnitState.UNSHARDED, UnitState.SUMMONED):
             return
         if self.state is UnitState.SHARDED:
             self.start_unshard(async_op=False)
@@ -272,7 +275,8 @@ class ShardUnit:
             send = self._all_gather_input()
             if self.casts or self.offloaded:  # staged in a pool block
                 self._gather_blocks.append(send)
-            if collectives.exchanges_point_to_point(self.mesh.shard_backend, self.device):
+            path = collectives.collective_path(self.mesh.shard_backend, self.device, self.mesh.shard_size)
+            if path.gathers_in_place:
                 outputs, pieces = self._gather_pieces
                 if self.casts or self.offloaded:  # staged in a new block: slice it
                     pieces = [send[p.gather_offset : p.gather_offset + p.padded_gather_bytes] for p in self._gathered]
@@ -322,7 +326,7 @@ class ShardUnit:
 
     def reshard(self) -> None:
         """Free the full weights and put the sharded faces back on the modules."""
-        if self.state is UnitState.SHARDED:
+        if self.state in (UnitState.SHARDED, UnitState.SUMMONED):  # summon_full_params puts the shards back itself
             return
         if self.state is UnitState.GATHERING:  # a prefetch nobody used: let it land before freeing its target
             self._finish_unshard()
@@ -371,6 +375,8 @@ class ShardUnit:
     # Hooks #
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.state is UnitState.SUMMONED:  # a plain module for now: nothing to gather, nothing to reduce
+            return args, kwargs
         self._forward_depth += 1
         if self._forward_depth > 1:  # re-entered (a nested call of the same module): already set up
             return args, kwargs
@@ -382,6 +388,8 @@ class ShardUnit:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.state is UnitState.SUMMONED:
+            return output
         self._forward_depth -= 1
         if self._forward_depth > 0:
             return output
@@ -420,18 +428,18 @@ class ShardUnit:
 
     def init_from_full(self, full: dict[int, Tensor]) -> None:
         """Fill the sharded faces from the original full parameters (``id(ShardedParam)`` -> tensor), as global
-        rank 0 holds them (see ``_from_rank0``)."""
-        for p in self.params:
-            p.copy_rows_from_full(_from_rank0(full[id(p)], self.device))
+        rank 0 holds them (see [Note: initial values agree with rank 0])."""
+        for p, value in zip(self.params, values_of_rank0([full[id(p)] for p in self.params], self.device)):
+            p.copy_rows_from_full(value)
         self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
         self.reshard()
 
     def init_meta_empty(self, full: dict[int, Tensor]) -> None:
         """Leave parameters built on the meta device as uninitialised shards (a load fills them) and fill the
         others from their full values, as ``init_from_full``; nothing is materialised in full."""
-        for p in self.params:
-            if not full[id(p)].is_meta:
-                p.copy_rows_from_full(_from_rank0(full[id(p)], self.device))
+        given = [p for p in self.params if not full[id(p)].is_meta]
+        for p, value in zip(given, values_of_rank0([full[id(p)] for p in given], self.device)):
+            p.copy_rows_from_full(value)
         self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
         self.reshard()
 
@@ -439,7 +447,8 @@ class ShardUnit:
         self, modules: list[nn.Module], full: dict[int, Tensor], device: torch.device
     ) -> None:
         """Materialise the unit in full (one unit at a time), run ``reset_parameters()`` on the ``modules`` that own
-        meta-device parameters, and keep this rank's rows; parameters not on the meta device keep their values."""
+        meta-device parameters, and keep this rank's rows of rank 0's values (see [Note: initial values agree with
+        rank 0]); parameters not on the meta device keep their values."""
         originals = {id(p): p.unsharded for p in self.params}
         with torch.no_grad():
             for p in self.params:  # full-size tensors in the parameter dtype, one unit at a time
@@ -458,28 +467,14 @@ class ShardUnit:
                 init = initializer(m)
                 assert init is not None  # only modules with an initializer are passed
                 init()
-            for p in self.params:
-                p.copy_rows_from_full(_from_rank0(p.unsharded.data, device))
+            for p, value in zip(self.params, values_of_rank0([p.unsharded.data for p in self.params], device)):
+                p.copy_rows_from_full(value)
                 p.unsharded = originals[id(p)]
         self.state = UnitState.UNSHARDED
         self.reshard()
 
     def __repr__(self) -> str:
         return f"ShardUnit({self.name or '<root>'}, params={len(self.params)}, state={self.state.name})"
-
-
-def _from_rank0(full: Tensor, device: torch.device) -> Tensor:
-    """``full`` as global rank 0 holds it: every rank starts from rank 0's weights, as with DDP, even when the
-    ranks built or initialised the model differently (no common seed). One broadcast per parameter, at setup."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return full
-    on_device = full.detach().to(device).contiguous()
-    if on_device.data_ptr() == full.data_ptr():
-        on_device = on_device.clone()  # never overwrite the caller's tensor
-    collectives.broadcast_from_rank0(on_device)
-    return on_device
 
 
 def _wait_now(pending: collectives.Pending | None) -> None:

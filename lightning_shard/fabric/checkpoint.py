@@ -22,16 +22,18 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
 from lightning_shard.checkpoint.background import BackgroundSaver
-from lightning_shard.checkpoint.format import read_index
+from lightning_shard.checkpoint.index import read_index
 from lightning_shard.checkpoint.load import load_model, load_safetensors_into
+from lightning_shard.checkpoint.pickles import refuse_pickle
 from lightning_shard.checkpoint.save import StateDictType
 from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS, load_checkpoint, save_checkpoint
+from lightning_shard.checkpoint.storage import Location
 from lightning_shard.common.checkpoint import FABRIC_OBJECTS
 from lightning_shard.engine.sharded_module import sharded_module_of
 
 
 def save_fabric_state(
-    path: Path, state: Mapping[str, Any], layout: StateDictType, saver: BackgroundSaver | None = None
+    path: Location, state: Mapping[str, Any], layout: StateDictType, saver: BackgroundSaver | None = None
 ) -> None:
     """Write Fabric's ``state`` (live module, optimizers, plain values) as a checkpoint directory, in the background
     with a ``saver``. Collective."""
@@ -48,13 +50,16 @@ def save_fabric_state(
     save_checkpoint(path, module, [state[k] for k in optimizer_keys], values, layout, saver)
 
 
-def load_fabric_state(path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    """Fill ``state``'s module, optimizers and values in place from the checkpoint directory at ``path``; return
-    what the checkpoint holds that ``state`` did not ask for. Collective."""
-    _, module = _sharded_module(state, "fabric.load")
-    optimizers = [v for v in state.values() if isinstance(v, Optimizer)]
+def load_fabric_state(path: Location, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """Fill ``state``'s module, optimizers and values in place from the checkpoint at ``path`` (a checkpoint
+    directory, or what another strategy's ``fabric.save`` or Trainer wrote: ``lightning_shard.checkpoint.sources``);
+    return what the checkpoint holds that ``state`` did not ask for. Collective."""
+    module_key, module = _sharded_module(state, "fabric.load")
+    optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
+    optimizers = [state[k] for k in optimizer_keys]
     wanted = [k for k, v in state.items() if not isinstance(v, Optimizer) and v is not module]
-    saved, _ = load_checkpoint(path, module, optimizers, strict=strict)
+    saved, _ = load_checkpoint(path, module, optimizers, strict=strict, module_key=module_key,
+                               optimizer_keys=optimizer_keys)
     saved.pop(FABRIC_OBJECTS, None)
     missing = [k for k in wanted if k not in saved]
     if strict and missing:
@@ -73,16 +78,32 @@ def load_fabric_state(path: Path, state: dict[str, Any], strict: bool) -> dict[s
     return saved
 
 
-def load_raw_into(path: Path, module: nn.Module, strict: bool) -> None:
-    """``fabric.load_raw``: a plain ``.safetensors`` model file, or the model of a checkpoint directory. Collective."""
+def load_raw_into(path: Location, module: nn.Module, strict: bool) -> None:
+    """``fabric.load_raw``: a plain ``.safetensors`` model file, or the model of a checkpoint directory; a file in
+    ``torch.save``'s format is refused, naming it a pickle. Collective."""
     _, module = _sharded_module({"module": module}, "fabric.load_raw")
-    if path.is_dir():
+    if not isinstance(path, Path) or path.is_dir():  # a URL is read as a checkpoint directory
         engine = sharded_module_of(module)
         assert engine is not None  # checked by _sharded_module
         index = agree(lambda: read_index(path))
         load_model(engine, module, path, index, strict=strict)
     else:
+        agree(lambda: refuse_pickle(path))
         load_safetensors_into(module, path, strict=strict)
+
+
+class LoadNotSupportedError(ValueError, NotImplementedError):
+    """A load ``ShardStrategy`` does not do. A ``NotImplementedError``, as Lightning's ``FSDPStrategy`` raises for
+    it, and a ``ValueError``, as this strategy raised before, so that either ``except`` clause catches it."""
+
+
+def optimizer_alone_error() -> LoadNotSupportedError:
+    """``fabric.load_raw(path, optimizer)``: a raw file holds a model's weights, never optimizer state."""
+    return LoadNotSupportedError(
+        "fabric.load_raw(path, optimizer) is not supported with ShardStrategy: a raw file holds a model's weights"
+        " only. Load optimizer state from a checkpoint directory together with the set-up model:"
+        " fabric.load(path, {'model': model, 'optimizer': optimizer})."
+    )
 
 
 def _sharded_module(state: Mapping[str, Any], caller: str) -> tuple[str, nn.Module]:

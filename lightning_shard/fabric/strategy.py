@@ -14,8 +14,7 @@ import sys
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -28,10 +27,16 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from torch import Tensor, nn
+from torch.distributed.fsdp import CPUOffload
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import _LRScheduler
 from typing_extensions import override
 
 from lightning_shard.checkpoint.background import BackgroundSaver, refuse_full_layout_in_background
+from lightning_shard.checkpoint.state_dict import model_state_dict, optimizer_state_dict
+from lightning_shard.checkpoint.storage import location
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.precision import translate_precision
@@ -45,11 +50,9 @@ from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import GradSync, ParamInit, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
-from lightning_shard.fabric.checkpoint import load_fabric_state, load_raw_into, save_fabric_state
+from lightning_shard.engine.wrapping import wrap_marks_units
+from lightning_shard.fabric.checkpoint import load_fabric_state, load_raw_into, optimizer_alone_error, save_fabric_state
 from lightning_shard.fabric.precision import ShardPrecision
-
-if TYPE_CHECKING:
-    from torch.optim.lr_scheduler import _LRScheduler
 
 
 class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
@@ -58,7 +61,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     Takes the same sharding arguments as the Trainer's ``lightning_shard.ShardStrategy`` (``auto_wrap_policy``,
     ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy``,
     ``grad_sync``, ``state_dict_type``, ``cpu_offload``, ``broadcast_buffers``, ``process_group_backend``,
-    ``timeout``, ``param_init``, ``cpu_allocator``), with the same defaults; see that class for what each does.
+    ``timeout``, ``param_init``, ``cpu_allocator``, and ``FSDPStrategy``'s ``use_orig_params``,
+    ``limit_all_gathers``, ``sync_module_states``), with the same defaults and the same forms (PyTorch FSDP's
+    ``ShardingStrategy``, ``CPUOffload``, ``MixedPrecision`` and wrap policies included); see that class for what
+    each does.
     In Fabric, ``grad_sync`` applies to micro-batches run under ``fabric.no_backward_sync(model)``, and
     ``param_init="empty"`` leaves a model built under ``fabric.init_module(empty_init=True)`` for ``fabric.load_raw``
     to fill.
@@ -85,17 +91,20 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         auto_wrap_policy: WrapPolicySpec = None,
-        sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
+        sharding_strategy: ShardingStrategyName | ShardingStrategy | TorchShardingStrategy = "FULL_SHARD",
         device_mesh: tuple[int, int] | None = None,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
         activation_checkpointing_policy: WrapPolicySpec = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] = "sharded",
-        cpu_offload: bool = False,
+        cpu_offload: bool | CPUOffload = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
         cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
         async_save: bool = False,
+        use_orig_params: bool = True,
+        limit_all_gathers: bool = True,
+        sync_module_states: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -116,6 +125,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             broadcast_buffers=broadcast_buffers,
             param_init=param_init,
             cpu_allocator=cpu_allocator,
+            use_orig_params=use_orig_params,
+            limit_all_gathers=limit_all_gathers,
+            sync_module_states=sync_module_states,
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
@@ -189,13 +201,15 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """``empty_init=True``: build on the meta device; ``setup_module`` materialises and initialises the model one
-        unit at a time (``reset_parameters()``), so no rank ever holds it in full."""
-        return _init_context(empty_init, self.precision.module_init_context())
+        unit at a time (``reset_parameters()``), so no rank ever holds it in full. Inside, PyTorch's ``wrap(module)``
+        marks ``module`` as a unit, as in ``module_sharded_context``."""
+        return _init_context(empty_init, self.precision.module_init_context(), self.module_sharded_context())
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        """Deliberately nothing: modules are sharded by ``setup_module``, one unit at a time."""
-        return nullcontext()
+        """Inside, PyTorch's ``wrap(module)`` marks ``module`` as a unit (it stays the same object; see [Note: manual
+        units]). Nothing is sharded here: ``setup_module`` shards, one unit at a time."""
+        return wrap_marks_units()
 
     @override
     def setup_module_and_optimizers(
@@ -263,7 +277,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip the optimizer's gradients by their global norm over all shards; return that norm (the same on every
-        rank). With ``error_if_nonfinite`` a non-finite norm raises on every rank before any gradient changes."""
+        rank). With ``error_if_nonfinite`` a non-finite norm raises on every rank before any gradient changes. A module
+        not set up with ``fabric.setup_module`` under this strategy is refused with ``TypeError``."""
+        _engine_of(module)  # its shards are what the norm is over
         self.precision.unscale_gradients(optimizer)
         shards = [p for group in optimizer.param_groups for p in group["params"]]
         norm = global_grad_norm(shards, self.mesh, self.root_device, float(norm_type))
@@ -285,6 +301,36 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             return reduce_tensor(tensor, group, reduce_op)
         return tensor
 
+    # State dicts (see [Note: state dicts of a sharded model]) #
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The state dict of a module set up with ``fabric.setup_module`` (or the module it returned), under the
+        unsharded module's names, as ``state_dict_type`` says: ``"full"``: on global rank 0 every tensor in full on
+        the CPU (gathered one at a time), ``{}`` on the other ranks; ``"sharded"``: this rank's rows of every
+        parameter as ``DTensor`` views (no copy), buffers as plain tensors. Collective: every rank must call it.
+        ``fabric.save`` does not use it: it writes the checkpoint directory from the shards."""
+        from lightning.fabric.wrappers import _unwrap_objects
+
+        return model_state_dict(_unwrap_objects(module), self.options.state_dict_type)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The state of an optimizer built on a set-up module's shards, keyed by parameter name (``{"state": {name:
+        {...}}, "param_groups": [{..., "params": [name, ...]}]}``), in the layout ``get_module_state_dict`` gives.
+        Collective."""
+        from lightning.fabric.wrappers import _unwrap_objects
+
+        optimizer = _unwrap_objects(optimizer)
+        first = next((q for group in optimizer.param_groups for q in group["params"]), None)
+        holders = [e for e in self._engines if any(p.sharded is first for p in e.sharded_params())]
+        if not holders:
+            raise ValueError(
+                "get_optimizer_state() needs an optimizer built on the shards of a module set up with"
+                " fabric.setup_module() under ShardStrategy; this one holds none."
+            )
+        return optimizer_state_dict(holders[0].root, optimizer, self.options.state_dict_type)
+
     # Checkpoints: directories of safetensors and JSON (see [Note: Fabric state in a checkpoint directory]) #
 
     @override
@@ -296,14 +342,12 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         filter: dict[str, Any] | None = None,
     ) -> None:
         """Write ``state`` as a checkpoint directory at ``path`` (every rank writes its rows). Collective."""
-        if storage_options is not None:
-            raise TypeError("ShardStrategy.save_checkpoint(..., storage_options=...) is not supported.")
         if filter:
-            raise ValueError(
+            raise NotImplementedError(
                 "fabric.save(..., filter=...) is not supported with ShardStrategy: checkpoints hold every parameter"
                 " (use lightning-shard consolidate and select keys afterwards)."
             )
-        target = Path(self.broadcast(str(path)))
+        target = location(self.broadcast(os.fspath(path)), storage_options)  # the same on every rank, errors too
         if self._async_save:
             save_fabric_state(target, state, self.options.state_dict_type, self._saver)  # see [Note: background saves]
         else:
@@ -323,15 +367,17 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Fill ``state`` in place from a checkpoint directory (any world size, Fabric or Trainer written); a module
-        alone (``fabric.load_raw``) also takes a plain ``.safetensors`` file. Returns what ``state`` did not ask
-        for. Collective. Never unpickles."""
+        """Fill ``state`` in place from a checkpoint directory (any world size, Fabric or Trainer written), a
+        Lightning ``.ckpt`` or a DCP directory of another strategy; a module alone (``fabric.load_raw``) also takes a
+        plain ``.safetensors`` file. Returns what ``state`` did not ask for. Collective. Never runs a pickle."""
         self._saver.wait()  # a background save of this very path must have finished
-        directory = Path(self.broadcast(str(path)))
+        directory = location(self.broadcast(os.fspath(path)))
         if isinstance(state, nn.Module):
             load_raw_into(directory, state, strict)
             return {}
-        if isinstance(state, Optimizer) or not state:
+        if isinstance(state, Optimizer):
+            raise optimizer_alone_error()
+        if not state:
             raise ValueError(
                 "ShardStrategy loads a checkpoint into live objects: pass the state with the set-up model, e.g."
                 " fabric.load(path, {'model': model, 'optimizer': optimizer})."
@@ -406,10 +452,12 @@ class _ShardBackwardSyncControl(_BackwardSyncControl):
             yield
 
 
-def _init_context(empty_init: bool | None, precision_context: AbstractContextManager) -> AbstractContextManager:
+def _init_context(
+    empty_init: bool | None, precision_context: AbstractContextManager, sharded_context: AbstractContextManager
+) -> AbstractContextManager:
     @contextmanager
     def context() -> Generator[None, None, None]:
-        with torch.device("meta") if empty_init else nullcontext(), precision_context:
+        with torch.device("meta") if empty_init else nullcontext(), precision_context, sharded_context:
             yield
 
     return context()

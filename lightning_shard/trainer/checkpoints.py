@@ -14,36 +14,47 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
-from lightning_shard.checkpoint.load import ShardedCheckpointSource, load_model, load_optimizers, load_trainer_state
+from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.save import is_save_object
+from lightning_shard.checkpoint.sources import CheckpointSource, open_checkpoint
+from lightning_shard.checkpoint.storage import Location
 from lightning_shard.common.checkpoint import as_trainer_checkpoint
 from lightning_shard.engine.sharded_module import ShardedModule
 
+LIGHTNING_VERSION = "pytorch-lightning_version"  # in every checkpoint Trainer.save_checkpoint writes
 
-def read_trainer_checkpoint(directory: Path) -> dict[str, Any]:
-    """Lightning's checkpoint dict for ``directory``: the trainer state, with the model and optimizer entries standing
-    for the directory's tensors (read into the shards later, by ``load_model_state`` and ``load_optimizer_states``).
-    Reads what Fabric wrote too. Collective; never unpickles."""
-    state, index = agree(lambda: load_trainer_state(directory))
-    state = as_trainer_checkpoint(state)
-    source = ShardedCheckpointSource(directory, index)
+
+def read_trainer_checkpoint(path: Location) -> dict[str, Any]:
+    """Lightning's checkpoint dict for the checkpoint at ``path`` (a checkpoint directory, Trainer or Fabric written,
+    a Lightning ``.ckpt`` or a DCP directory: ``lightning_shard.checkpoint.sources``): the trainer state, with the
+    model and optimizer entries standing for the checkpoint's tensors (read into the shards later, by
+    ``load_model_state`` and ``load_optimizer_states``). Collective; never unpickles."""
+    source = agree(lambda: open_checkpoint(path))
+    state = as_trainer_checkpoint(source.trainer_state())
+    if LIGHTNING_VERSION not in state:  # Lightning's own checks would fail on it with a bare KeyError
+        raise CheckpointError(
+            f"{path} holds no Trainer state (no {LIGHTNING_VERSION!r}, loops or callbacks): Trainer.save_checkpoint"
+            " did not write it, so there is no run to resume. To start from its weights, write them as a"
+            " .safetensors file and load it with lightning_shard.load_safetensors_into() (docs/migration.md)."
+        )
     state["state_dict"] = source
-    if index.get("optimizers"):
-        state["optimizer_states"] = [source] * len(index["optimizers"])
+    if source.optimizer_count:
+        state["optimizer_states"] = [source] * source.optimizer_count
     return state
 
 
 def load_model_state(engine: ShardedModule, module: nn.Module, checkpoint: Mapping[str, Any], strict: bool) -> None:
-    """This rank's rows of every parameter and every buffer, from the directory ``read_trainer_checkpoint`` read."""
+    """This rank's rows of every parameter and every buffer, from the checkpoint ``read_trainer_checkpoint`` read."""
     source = checkpoint["state_dict"]
-    if not isinstance(source, ShardedCheckpointSource):
+    if not isinstance(source, CheckpointSource):
         raise TypeError(
             "ShardStrategy loads model state from its checkpoint directories; to load a plain model file use"
             " lightning_shard.load_safetensors_into()."
         )
-    result = load_model(engine, module, source.directory, source.index, strict=strict)
+    result = source.load_model(engine, module, strict)
     if result.missing_keys or result.unexpected_keys:
         rank_zero_warn(
-            f"Loaded {source.directory} with strict=False: missing keys {result.missing_keys},"
+            f"Loaded {source.path} with strict=False: missing keys {result.missing_keys},"
             f" unexpected keys {result.unexpected_keys}."
         )
 
@@ -53,13 +64,15 @@ def load_optimizer_states(
 ) -> None:
     sources = checkpoint["optimizer_states"]
     if sources:
-        load_optimizers(engine, optimizers, sources[0].directory, sources[0].index, strict=strict)
+        sources[0].load_optimizers(engine, optimizers, strict)
 
 
-def remove_checkpoint_dir(path: Path) -> None:
+def remove_checkpoint_dir(path: Location) -> None:
     """Remove a checkpoint directory (or a file or link left at its place), as ModelCheckpoint's ``save_top_k``
-    asks; never follows a link."""
-    if path.is_dir() and not path.is_symlink():
+    asks; never follows a link. At a URL: the objects under it that a save wrote (nothing else)."""
+    if not isinstance(path, Path):
+        path.remove([name for name in path.names() if is_save_object(name)])
+    elif path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()

@@ -4,28 +4,35 @@ engine, and routes Lightning's hooks to it; the sharding itself lives in ``engin
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor, nn
+from torch.distributed.fsdp import CPUOffload
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint.background import BackgroundSaver, refuse_full_layout_in_background
-from lightning_shard.checkpoint.save import save_checkpoint_dir
+from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
+from lightning_shard.checkpoint.state_dict import model_state_dict, optimizer_state_dict
+from lightning_shard.checkpoint.storage import location
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
@@ -46,6 +53,7 @@ from lightning_shard.engine.policies import (
 )
 from lightning_shard.engine.progress import note_step
 from lightning_shard.engine.sharded_module import ShardedModule
+from lightning_shard.engine.wrapping import wrap_marks_units
 from lightning_shard.trainer.checkpoints import (
     load_model_state,
     load_optimizer_states,
@@ -55,11 +63,9 @@ from lightning_shard.trainer.checkpoints import (
 )
 from lightning_shard.trainer.precision import ShardPrecision, as_shard_precision
 from lightning_shard.trainer.preemption import attach_preemption, detach_preemption
+from lightning_shard.trainer.save_scope import SaveScope, TrainerSaves
 from lightning_shard.trainer.summary import use_full_counts
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from lightning.pytorch.accelerators import Accelerator
+from lightning_shard.trainer.weight_averaging import adopt_weight_averaging, build_averaged_models
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +78,19 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     ``torch.optim`` optimizer and parameter groups built by name work unchanged.
 
     Args:
-        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"`` or ``"HYBRID_SHARD"``.
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"`` or ``"HYBRID_SHARD"``
+            (or the member of that name of ``lightning_shard.ShardingStrategy`` or of PyTorch's FSDP enum).
         auto_wrap_policy: which modules become sharding units (gathered and reduced together): a set of module
             classes or class names (``{"GPT2Block"}``), a callable ``(module, name) -> bool``, or an int minimum
-            parameter count. The root holds whatever no unit claims. ``None``: the whole model is one unit.
+            parameter count; PyTorch FSDP's policies (``ModuleWrapPolicy``, ``functools.partial`` of
+            ``size_based_auto_wrap_policy``...) select what FSDP would wrap. The root holds whatever no unit claims.
+            ``None``: the whole model is one unit. Modules passed to PyTorch's ``wrap()`` in ``configure_model`` (or
+            to ``lightning_shard.mark_unit``) are units as well, unwrapped (see [Note: manual units]).
         device_mesh: ``(replicas, shard_size)`` for ``"HYBRID_SHARD"``: shard inside groups of ``shard_size``
             ranks, replicate across ``replicas`` groups. Default for ``"HYBRID_SHARD"``: ``(num_nodes, devices)``.
-        mixed_precision: explicit dtypes (``MixedPrecision``) for gathering, computing and reducing; overrides what
-            the Trainer's ``precision`` implies (``"bf16-mixed"``: gather and compute in bf16, reduce in fp32).
+        mixed_precision: explicit dtypes (``MixedPrecision``, or PyTorch FSDP's, translated field by field) for
+            gathering, computing and reducing; overrides what the Trainer's ``precision`` implies (``"bf16-mixed"``:
+            gather and compute in bf16, reduce in fp32).
         activation_checkpointing_policy: module classes or class names (as ``auto_wrap_policy``) whose activations
             are recomputed in backward instead of stored.
         grad_sync: with ``accumulate_grad_batches`` > 1, ``"microbatch"`` (default) reduce-scatters after every
@@ -91,6 +102,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         cpu_offload: keep parameter shards, gradients and optimizer state in CPU memory and run the optimizer step
             on the CPU; each unit's weights are uploaded to the GPU when it is gathered. Frees GPU memory at the
             cost of host-device copies every step. On a CPU device it changes nothing (a warning says so).
+            PyTorch's ``CPUOffload(offload_params=...)`` stands for its flag.
         broadcast_buffers: as DDP's ``broadcast_buffers`` (``forward_sync_buffers``): ``True`` (default) overwrites
             every rank's buffers (BatchNorm statistics) with global rank 0's at the start of each forward that
             follows a training forward, in one broadcast; ``False`` leaves each rank's buffers to evolve from its
@@ -109,6 +121,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
             naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.
+        use_orig_params, limit_all_gathers, sync_module_states: taken for code written for ``FSDPStrategy``.
+            ``True`` is what ShardStrategy always does (the optimizer sees each parameter's own shard; at most two
+            units are gathered at once; the initial weights are broadcast from rank 0); ``False`` is refused.
     """
 
     strategy_name = "shard"
@@ -124,16 +139,19 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         auto_wrap_policy: WrapPolicySpec = None,
-        sharding_strategy: ShardingStrategyName | ShardingStrategy = "FULL_SHARD",
+        sharding_strategy: ShardingStrategyName | ShardingStrategy | TorchShardingStrategy = "FULL_SHARD",
         device_mesh: tuple[int, int] | None = None,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
         activation_checkpointing_policy: WrapPolicySpec = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] = "sharded",
-        cpu_offload: bool = False,
+        cpu_offload: bool | CPUOffload = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
         cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
+        use_orig_params: bool = True,
+        limit_all_gathers: bool = True,
+        sync_module_states: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -156,12 +174,16 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             broadcast_buffers=broadcast_buffers,
             param_init=param_init,
             cpu_allocator=cpu_allocator,
+            use_orig_params=use_orig_params,
+            limit_all_gathers=limit_all_gathers,
+            sync_module_states=sync_module_states,
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
         self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]
         self._mesh: ShardMesh | None = None
         self._engine: ShardedModule | None = None
+        self._saves = TrainerSaves()  # see [Note: a Trainer save gathers nothing it does not write]
 
     # Properties #
 
@@ -208,6 +230,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         self._start_mesh()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            trainer = self.lightning_module.trainer  # see [Note: weight averaging on shards]
+            adopt_weight_averaging(getattr(trainer, "callbacks", []))
 
     # Model #
 
@@ -216,6 +241,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         refuse_unsupported_callbacks(getattr(trainer, "callbacks", []))
+        self._saves.watch(trainer)
         if saves_in_background(self._checkpoint_io):
             layout = self.options.state_dict_type
             refuse_full_layout_in_background(layout, "AsyncCheckpointIO", "remove AsyncCheckpointIO")
@@ -234,6 +260,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:  # optimizer state lives with the shards
             _optimizers_to_device(self.optimizers, torch.device("cpu") if self.offloads else self.root_device)
             attach_preemption(trainer, finish_saves=self._saver.wait)  # see [Note: preemption at a step boundary]
+            build_averaged_models(getattr(trainer, "callbacks", []), self.model)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -258,9 +285,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Deliberately nothing: modules created on the meta device in ``configure_model`` are materialised and
-        initialised (``reset_parameters()``) one unit at a time when the engine shards them."""
-        yield
+        """What ``configure_model`` runs in: PyTorch's ``wrap(module)`` marks ``module`` as a unit (it stays the same
+        object; see [Note: manual units]). Nothing is sharded here: modules created on the meta device are
+        materialised and initialised (``reset_parameters()``) one unit at a time when the engine shards them."""
+        with wrap_marks_units():
+            yield
 
     # Steps: always go through the root's forward hooks (see [Note: the root unit]) #
 
@@ -342,27 +371,36 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Deliberately empty: ``save_checkpoint`` writes the model from the shards themselves."""
-        return {}
+        """The LightningModule's state dict under its usual names, as ``state_dict_type`` says: ``"full"``: on global
+        rank 0 every tensor in full on the CPU (gathered one at a time), ``{}`` on the other ranks; ``"sharded"``:
+        this rank's rows of every parameter as ``DTensor`` views (no copy), buffers as plain tensors. Inside
+        ``trainer.save_checkpoint`` (its ``on_save_checkpoint`` hooks included) always the sharded views: see
+        [Note: a Trainer save gathers nothing it does not write]. Collective: every rank must call it."""
+        assert self.lightning_module is not None
+        return model_state_dict(self.lightning_module, self._state_dict_layout())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Deliberately empty: ``save_checkpoint`` writes each optimizer's sharded state itself."""
-        return {}
+        """``optimizer``'s state keyed by parameter name (``{"state": {name: {...}}, "param_groups": [{...,
+        "params": [name, ...]}]}``), in the layout ``lightning_module_state_dict`` gives. Collective."""
+        assert self.lightning_module is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the optimizer it wraps
+        return optimizer_state_dict(self.lightning_module, optimizer, self._state_dict_layout())
+
+    def _state_dict_layout(self) -> StateDictType:
+        if self._saves.scope is SaveScope.TRAINER_SAVE:
+            return StateDictType.SHARDED  # the save writes from the shards: nothing to gather for it
+        return self.options.state_dict_type
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         """Write a checkpoint directory at ``filepath``: sharded safetensors (``state_dict_type="sharded"``) or
-        one ``model.safetensors`` (``"full"``), plus JSON, atomically. Collective: every rank must call it."""
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: checkpoints are"
-                f" directories of safetensors files written by every rank, not through a CheckpointIO plugin."
-            )
+        one ``model.safetensors`` (``"full"``), plus JSON, atomically. ``filepath`` may be a URL (``s3://...``, any
+        fsspec protocol), ``storage_options`` a dict for its file system. Collective: every rank must call it."""
         assert self.lightning_module is not None
-        path = Path(self.broadcast(str(filepath)))
+        path = location(self.broadcast(os.fspath(filepath)), storage_options)  # the same on every rank, errors too
         layout = self.options.state_dict_type
         args = (self.engine, self.lightning_module, self.optimizers, checkpoint, path, layout)
         if saves_in_background(self._checkpoint_io) and self._fitting():
@@ -385,9 +423,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read the trainer state and index of a checkpoint directory (model and optimizer tensors are read into the
-        shards later, by ``load_model_state_dict`` and ``load_optimizer_state_dict``). Never unpickles."""
-        return read_trainer_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        """Read the trainer state of a checkpoint directory, a Lightning ``.ckpt`` or a DCP directory (model and
+        optimizer tensors are read into the shards later, by ``load_model_state_dict`` and
+        ``load_optimizer_state_dict``). Never runs a pickle: see [Note: no pickle runs]."""
+        return read_trainer_checkpoint(location(self.broadcast(os.fspath(checkpoint_path))))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -404,7 +443,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         """Remove a checkpoint directory (ModelCheckpoint's ``save_top_k``)."""
         self._saver.wait()  # never remove a directory a background save is finishing
         if self.is_global_zero:
-            remove_checkpoint_dir(Path(filepath))
+            remove_checkpoint_dir(location(os.fspath(filepath)))
 
     # Reporting #
 
@@ -445,13 +484,14 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
 def refuse_unsupported_callbacks(callbacks: Iterable[Any]) -> None:
     """Refuse, on every rank and before anything is sharded, the callbacks that need the model's parameters in full:
     ``StochasticWeightAveraging`` keeps a replicated averaged copy built from the parameters it finds, which under
-    ShardStrategy are this rank's shards (Lightning refuses it for its own sharded strategies too)."""
+    ShardStrategy are this rank's shards (Lightning refuses it for its own sharded strategies too). Lightning's
+    ``WeightAveraging`` callbacks work: see [Note: weight averaging on shards]."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     if any(isinstance(callback, StochasticWeightAveraging) for callback in callbacks):
         raise ValueError(
             "StochasticWeightAveraging does not work with ShardStrategy: it averages a copy of the model's"
-            " parameters, which are this rank's shards. Remove the callback; to average weights, keep the running"
-            " average of the parameters yourself (e.g. in on_train_batch_end: it is sharded like they are) and"
-            " swap it in before evaluating."
+            " parameters, which are this rank's shards. Use lightning.pytorch.callbacks.WeightAveraging instead"
+            " (by default the equal-weight average SWA takes; EMAWeightAveraging for an exponential moving"
+            " average): it averages each rank's shards (docs/finetuning.md)."
         )

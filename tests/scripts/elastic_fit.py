@@ -14,46 +14,19 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, Sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_shard import ShardStrategy  # noqa: E402
+from lightning_shard import GlobalBatchLoader, ShardStrategy  # noqa: E402
 from tests.models import LitModel, MLPBlock, make_dataset  # noqa: E402
 
 GLOBAL_BATCH = 8  # samples per optimizer step, whatever the world size
-
-
-class GlobalBatchSampler(Sampler[int]):
-    """Step ``s`` of an epoch trains on samples ``order[s * G:(s + 1) * G]`` of a seeded permutation, split evenly
-    over the ranks, so that a global batch is the same at any world size; a resumed epoch starts at ``start_step``.
-    [Note: the same global batch at any world size] in docs/operations.md explains the choice."""
-
-    def __init__(self, n: int, rank: int, world_size: int, start_step: int) -> None:
-        if GLOBAL_BATCH % world_size:
-            raise ValueError(f"GLOBAL_BATCH={GLOBAL_BATCH} must be divisible by the world size, got {world_size}.")
-        self.n, self.rank, self.start_step, self.epoch = n, rank, start_step, 0
-        self.per_rank = GLOBAL_BATCH // world_size
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
-        start, self.start_step = self.start_step, 0
-        for step in range(start, self.n // GLOBAL_BATCH):
-            first = step * GLOBAL_BATCH + self.rank * self.per_rank
-            yield from order[first : first + self.per_rank]
-
-    def __len__(self) -> int:  # the whole epoch's, so the Trainer counts its batches as in an uninterrupted run
-        return self.n // GLOBAL_BATCH * self.per_rank
 
 
 class ElasticModel(LitModel):
@@ -61,12 +34,9 @@ class ElasticModel(LitModel):
         super().__init__("mlp")
         self.root, self.step_sleep = root, step_sleep
 
-    def train_dataloader(self) -> DataLoader:
-        dataset = make_dataset("mlp")
-        world_size = self.trainer.world_size
-        start_step = self.trainer.global_step % (len(dataset) // GLOBAL_BATCH)  # restored when resuming
-        sampler = GlobalBatchSampler(len(dataset), self.global_rank, world_size, start_step)
-        return DataLoader(dataset, batch_size=GLOBAL_BATCH // world_size, sampler=sampler)
+    def train_dataloader(self) -> GlobalBatchLoader:
+        # The same samples at every step at any world size; its position comes back with the checkpoint.
+        return GlobalBatchLoader(make_dataset("mlp"), global_batch_size=GLOBAL_BATCH, seed=0)
 
     def on_train_start(self) -> None:
         (self.root / f"worker-{os.getppid()}-{self.local_rank}").write_text(str(os.getpid()))
@@ -101,7 +71,6 @@ if __name__ == "__main__":
         num_nodes=int(os.environ["WORLD_SIZE"]) // local_world_size,  # as many nodes as this (re)start has
         strategy=ShardStrategy(auto_wrap_policy={MLPBlock}),
         max_steps=args.max_steps,
-        use_distributed_sampler=False,
         logger=False,
         callbacks=[
             ModelCheckpoint(dirpath=args.root / "checkpoints", every_n_train_steps=2, save_top_k=0, save_last=True)

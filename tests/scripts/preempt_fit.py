@@ -5,7 +5,7 @@
 
 Each rank writes ``pid-<rank>`` under ``--root`` once training runs (for the test to signal it), and
 ``losses-<rank>.json``: the loss of every global step this process trained. The data order is restorable: the
-sampler is deterministic and skips the batches of the epoch that the checkpoint says were done.
+``GlobalBatchLoader``'s position is saved in the checkpoint and restored by ``fit(ckpt_path="last")``.
 """
 
 import argparse
@@ -13,55 +13,30 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, Sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_shard import ShardStrategy  # noqa: E402
+from lightning_shard import GlobalBatchLoader, ShardStrategy  # noqa: E402
 from lightning_shard.trainer.preemption import Preempted  # noqa: E402
 from tests.models import LitModel, MLPBlock, make_dataset  # noqa: E402
 
-BATCH = 4
-
-
-class ResumableSampler(Sampler[int]):
-    """This rank's share of a seeded permutation per epoch, starting ``skip`` samples in (a resumed epoch). Its length
-    is the whole epoch's, so the Trainer counts the epoch's batches as in an uninterrupted run."""
-
-    def __init__(self, n: int, rank: int, world_size: int, skip: int) -> None:
-        self.n, self.rank, self.world_size, self.skip, self.epoch = n, rank, world_size, skip, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
-        mine = order[self.rank :: self.world_size]
-        skip, self.skip = self.skip, 0
-        return iter(mine[skip:])
-
-    def __len__(self) -> int:
-        return self.n // self.world_size
+GLOBAL_BATCH = 8  # 4 samples per rank on the 2 ranks
 
 
 class PreemptibleModel(LitModel):
     def __init__(self, root: Path, step_sleep: float) -> None:
         super().__init__("mlp")
         self.root, self.step_sleep = root, step_sleep
-        self.start_batch = 0
         self.step_losses: dict[int, float] = {}
 
-    def train_dataloader(self) -> DataLoader:
-        dataset = make_dataset("mlp")
-        sampler = ResumableSampler(len(dataset), self.global_rank, self.trainer.world_size, self.start_batch * BATCH)
-        return DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    def train_dataloader(self) -> GlobalBatchLoader:
+        return GlobalBatchLoader(make_dataset("mlp"), global_batch_size=GLOBAL_BATCH, seed=0)
 
     def on_train_start(self) -> None:
         (self.root / f"pid-{self.global_rank}").write_text(str(os.getpid()))
@@ -71,12 +46,6 @@ class PreemptibleModel(LitModel):
         self.step_losses[self.trainer.global_step] = self.losses[-1]
         time.sleep(self.step_sleep)  # leaves the test time to signal mid-fit
         return loss
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["batches_done_in_epoch"] = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.start_batch = checkpoint["batches_done_in_epoch"]
 
 
 if __name__ == "__main__":
@@ -94,7 +63,6 @@ if __name__ == "__main__":
         devices=2,
         strategy=ShardStrategy(auto_wrap_policy={MLPBlock}),
         max_steps=args.max_steps,
-        use_distributed_sampler=False,
         logger=False,
         callbacks=[ModelCheckpoint(dirpath=args.root / "checkpoints")],
         default_root_dir=args.root,

@@ -1,0 +1,325 @@
+"""``index.json``: reading and checking it (the current version and version 1), and building it for a save.
+
+``read_index`` checks the index's tables in time proportional to its size, opening no other file: the current
+version's index holds one entry per tensor and one per file (see [Note: rows by rule]), so every rank of a load
+reads and checks it in full, then opens only the files that hold its rows. ``build_index`` and ``encode_index``
+write it; ``encode_index`` refuses an index above ``MAX_JSON_BYTES``, the limit ``read_index`` applies, so a save
+never writes an index a load would refuse.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_shard.checkpoint import format as checkpoint_format
+from lightning_shard.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    MODEL_PREFIX,
+    READABLE_VERSIONS,
+    CheckpointError,
+    CheckpointFiles,
+    dtype_from_name,
+    dtype_name,
+    is_count,
+    is_shape,
+    read_json_member,
+    refuse_unplain_name,
+)
+from lightning_shard.checkpoint.layout import (
+    Listed,
+    Piece,
+    Placement,
+    RowSplit,
+    StoredTensor,
+    Whole,
+    shards_holding_rows,
+)
+from lightning_shard.checkpoint.storage import Location, MemberURL, RemoteDirectory
+
+SPLIT_BY_ROWS = "rows"  # a tensor entry's "split": its rows are spread over "shard_files" by the writer's rule
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+
+
+def read_index(directory: Location) -> dict[str, Any]:
+    """Read and check ``index.json`` (see [Note: checkpoints are untrusted]): its structure, format name and
+    version, and every tensor entry; ``"tensors"`` then maps each key to a ``StoredTensor``. No other file is
+    opened: a reader checks each file when it first reads from it."""
+    if not isinstance(directory, Path):
+        refuse_uncommitted(directory)
+    elif not directory.is_dir():
+        raise CheckpointError(
+            f"{directory} is not a lightning_shard checkpoint directory. To load model weights from a single"
+            f" .safetensors file use lightning_shard.load_safetensors_into(); resume from a Lightning .ckpt or a"
+            f" torch.distributed.checkpoint directory with trainer.fit(ckpt_path=...), or convert it with"
+            f" lightning-shard convert."
+        )
+    path = directory / INDEX_FILE
+    index = read_json_member(directory, INDEX_FILE)
+    _check_structure(path, index)
+    sizes = {name: info["size"] for name, info in index["files"].items()}
+    if index["version"] == 1:
+        index["tensors"] = _version_1_tensors(path, index["tensors"], CheckpointFiles(directory, sizes))
+    else:
+        index["tensors"] = _tensors(path, index, CheckpointFiles(directory, sizes, checksums_in_headers=True))
+    return index
+
+
+def refuse_uncommitted(directory: RemoteDirectory) -> None:
+    """A directory at a URL without ``index.json`` holds no checkpoint: nothing, or the files of a save that did
+    not complete (see [Note: committing to object storage]); say which."""
+    directory.invalidate()  # another process wrote it: no listing cached before counts
+    if directory.exists(INDEX_FILE):
+        return
+    names = directory.names()
+    if names:
+        raise CheckpointError(
+            f"{directory} holds no {INDEX_FILE}: the save there did not complete (its {len(names)} object(s), e.g."
+            f" {names[:3]}, were uploaded but never committed), so it is not a checkpoint and is ignored. Load an"
+            " earlier checkpoint; the next successful save to this URL deletes these objects."
+        )
+    raise CheckpointError(f"There is no checkpoint at {directory}: nothing is stored under this URL.")
+
+
+def _damaged(path: Path | str, what: str) -> CheckpointError:
+    return CheckpointError(f"{path} is damaged: {what}. Use another checkpoint, or save this one again.")
+
+
+def _check_structure(path: Path | MemberURL, index: Any) -> None:
+    """The index's tables have the types its format gives them (docs/checkpoint_format.md); tensor entries are
+    checked by ``_tensors`` and ``_version_1_tensors``."""
+    if not isinstance(index, dict):
+        raise _damaged(path, f"it holds a JSON {type(index).__name__}, not an object")
+    if index.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path} is not a {FORMAT_NAME} index (format={index.get('format')!r}).")
+    version = index.get("version")
+    if is_count(version) and version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {version}; this lightning_shard reads versions"
+            f" {', '.join(map(str, READABLE_VERSIONS))}. Upgrade lightning_shard to read it."
+        )
+    if not is_count(version) or version not in READABLE_VERSIONS:
+        raise _damaged(path, f"its format version is {version!r}, which no lightning_shard writes")
+    if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict):
+        raise CheckpointError(f"{path} lacks its 'files' or 'tensors' table.")
+    for name, info in index["files"].items():
+        refuse_unplain_name(path.parent, name)
+        if not (isinstance(info, dict) and is_count(info.get("size")) and isinstance(info.get("sha256"), str)):
+            raise _damaged(path, f"the entry of {name!r} in 'files' needs a byte count 'size' and a string 'sha256'")
+    mesh = index.get("mesh")
+    if not is_count(index.get("world_size")) or not (
+        isinstance(mesh, dict) and is_count(mesh.get("replicas")) and is_count(mesh.get("shard_size"))
+    ):
+        raise _damaged(path, "'world_size' and 'mesh' ('replicas', 'shard_size') must be counts")
+    ties = index.get("ties", {})
+    if not isinstance(ties, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ties.items()):
+        raise _damaged(path, "'ties' must map tensor names to tensor names")
+    _check_optimizers(path, index.get("optimizers", []))
+
+
+def _check_optimizers(path: Path | MemberURL, optimizers: Any) -> None:
+    if not isinstance(optimizers, list):
+        raise _damaged(path, "'optimizers' must be a list")
+    for i, optimizer in enumerate(optimizers):
+        groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+        groups_ok = isinstance(groups, list) and all(
+            isinstance(g, dict) and isinstance(g.get("options"), dict) and isinstance(g.get("params"), list)
+            and all(isinstance(n, str) for n in g["params"]) for g in groups
+        )
+        values = optimizer.get("values", {}) if isinstance(optimizer, dict) else None
+        values_ok = isinstance(values, dict) and all(isinstance(v, dict) for v in values.values())
+        if not (groups_ok and values_ok):
+            raise _damaged(
+                path,
+                f"optimizer {i} needs 'param_groups' (each with a 'params' list of names and an 'options' object)"
+                " and 'values' objects",
+            )
+        row_states = optimizer.get("scalar_param_states", {})
+        if not (isinstance(row_states, dict) and all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in row_states.values()
+        )):
+            raise _damaged(
+                path, f"optimizer {i}'s 'scalar_param_states' must map parameter names to lists of state names"
+            )
+
+
+def _shape_and_dtype(path: Path | MemberURL, key: str, entry: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if not (is_shape(shape) and isinstance(entry.get("dtype"), str)):
+        raise CheckpointError(f"{path}: tensor {key!r} has a malformed entry.")
+    return tuple(shape), dtype_from_name(entry["dtype"])
+
+
+def _tensors(path: Path | MemberURL, index: dict[str, Any], files: CheckpointFiles) -> dict[str, StoredTensor]:
+    """The current version's tensor entries (see [Note: rows by rule]), checked in O(tensors + files)."""
+    mesh = index["mesh"]
+    shard_size = mesh["shard_size"]
+    if shard_size < 1 or mesh["replicas"] < 1 or mesh["replicas"] * shard_size != index["world_size"]:
+        raise _damaged(path, f"its mesh {mesh} does not cover its world size {index['world_size']}")
+    shard_files = index.get("shard_files")
+    if not (isinstance(shard_files, list) and all(name in index["files"] for name in shard_files)):
+        raise _damaged(path, "'shard_files' must list files of its 'files' table")
+    if len(set(shard_files)) != len(shard_files) or len(shard_files) > shard_size:
+        raise _damaged(path, f"'shard_files' must name at most {shard_size} distinct files, one per shard")
+    shared = tuple(shard_files)
+    tensors = {}
+    for key, entry in index["tensors"].items():
+        shape, dtype = _shape_and_dtype(path, key, entry)
+        rows = shape[0] if shape else 1
+        placement: Placement
+        if entry.get("split") == SPLIT_BY_ROWS and "file" not in entry:
+            if shards_holding_rows(rows, shard_size) > len(shared):
+                raise _damaged(path, (
+                    f"tensor {key!r} (shape {list(shape)}) is split over {shards_holding_rows(rows, shard_size)}"
+                    f" shards but 'shard_files' names {len(shared)} files"
+                ))
+            placement = RowSplit(key, rows, shard_size, shared)
+        elif "split" not in entry and isinstance(entry.get("key"), str) and isinstance(entry.get("file"), str):
+            if entry["file"] not in index["files"]:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} refers to the file {entry['file']!r}, which the index does not list."
+                )
+            placement = Whole(entry["file"], entry["key"], rows)
+        else:
+            raise CheckpointError(f"{path}: tensor {key!r} has a malformed entry.")
+        tensors[key] = StoredTensor(key, shape, dtype, placement, files)
+    return tensors
+
+
+def _version_1_tensors(
+    path: Path | MemberURL, entries: dict[str, Any], files: CheckpointFiles
+) -> dict[str, StoredTensor]:
+    """Version-1 tensor entries, each listing its pieces: they never overlap or leave a gap, and name listed files.
+    (That they reach the last row is checked by ``require_complete``, after a loader compared the shapes with the
+    model's.) Checked in O(pieces), without opening a file."""
+    tensors = {}
+    listed = files.sizes or {}
+    for key, entry in entries.items():
+        shape, dtype = _shape_and_dtype(path, key, entry)
+        raw = entry.get("pieces")
+        if not (isinstance(raw, list) and raw):
+            raise CheckpointError(f"{path}: tensor {key!r} has a malformed entry.")
+        rows = shape[0] if shape else 1
+        pieces = sorted((_version_1_piece(path, key, piece) for piece in raw), key=lambda piece: piece.lo)
+        covered = 0
+        for piece in pieces:
+            if piece.lo != covered or piece.hi > rows:
+                problem = "leaves a gap before it" if piece.lo > covered else "overlaps the previous piece"
+                if piece.hi > rows:
+                    problem = f"lies beyond the tensor's {rows} rows"
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} (shape {list(shape)}): the piece in {piece.file!r} holding rows"
+                    f" [{piece.lo}, {piece.hi}) {problem}."
+                )
+            refuse_unplain_name(path.parent, piece.file)
+            if piece.file not in listed:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} refers to the file {piece.file!r}, which the index does not list."
+                )
+            covered = piece.hi
+        tensors[key] = StoredTensor(key, shape, dtype, Listed(tuple(pieces)), files)
+    return tensors
+
+
+def _version_1_piece(path: Path | MemberURL, key: str, piece: Any) -> Piece:
+    rows = piece.get("rows") if isinstance(piece, dict) else None
+    well_formed = (
+        is_shape(rows) and len(rows) == 2 and rows[0] <= rows[1]
+        and isinstance(piece.get("key"), str) and isinstance(piece.get("file"), str)
+        and ("crc32" not in piece or is_count(piece["crc32"]))
+    )
+    if not well_formed or rows is None:
+        raise CheckpointError(f"{path}: tensor {key!r} has a malformed piece {piece!r}.")
+    return Piece(piece["file"], piece["key"], rows[0], rows[1], piece.get("crc32"))
+
+
+def iter_index_tensors(index: dict[str, Any], prefix: str) -> Iterator[tuple[str, StoredTensor]]:
+    """The index's tensors whose keys start with ``prefix``, keyed without it."""
+    for key, entry in index["tensors"].items():
+        if key.startswith(prefix):
+            yield key[len(prefix) :], entry
+
+
+def model_ties(index: dict[str, Any]) -> dict[str, str]:
+    """Tied model weights: each alias mapped to the name it is stored under (both without the model prefix)."""
+    return {k.removeprefix(MODEL_PREFIX): v.removeprefix(MODEL_PREFIX) for k, v in index.get("ties", {}).items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """A tensor a save stores: split by rows over the shards (parameters and optimizer state shaped like them, in a
+    sharded save), or whole in one file."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    split: bool
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What one rank reports of a file it wrote: its size and digest, the shard whose rows it holds (``None`` for a
+    file of a full save), and the tensors it holds whole (index key -> key in the file)."""
+
+    name: str
+    size: int
+    sha256: str
+    shard: int | None
+    whole: dict[str, str] = field(default_factory=dict)
+
+
+def build_index(head: dict[str, Any], tensors: Sequence[SavedTensor], records: Sequence[FileRecord]) -> dict[str, Any]:
+    """The index of a save: ``head`` (format, version, layout, world size, mesh, strategy, ties, optimizers), the
+    files of ``records`` and an entry per tensor. ``records`` are the files the ranks wrote, in any order."""
+    records = sorted(records, key=lambda r: (r.shard is None, r.shard or 0, r.name))
+    shards = [r.shard for r in records if r.shard is not None]
+    if shards != list(range(len(shards))):
+        raise CheckpointError(f"Internal error: the shard files of this save are those of shards {shards}.")
+    holder = {key: (r.name, in_file) for r in records for key, in_file in r.whole.items()}
+    entries: dict[str, dict[str, Any]] = {}
+    for t in tensors:
+        entry: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+        if t.split:
+            entry["split"] = SPLIT_BY_ROWS
+        elif t.key in holder:
+            entry["file"], entry["key"] = holder[t.key]
+        else:
+            raise CheckpointError(f"Internal error: no file of this save holds {t.key!r}.")
+        entries[t.key] = entry
+    return {
+        **head,
+        "files": {r.name: {"size": r.size, "sha256": r.sha256} for r in records},
+        "shard_files": [r.name for r in records if r.shard is not None],
+        "tensors": entries,
+    }
+
+
+def encode_index(index: dict[str, Any]) -> bytes:
+    """``index`` as the bytes of ``index.json``; refused (``CheckpointError``) above ``MAX_JSON_BYTES``, the limit
+    ``read_json_member`` applies on load (the one constant, read at each call)."""
+    data = json.dumps(index, indent=1).encode()
+    limit = checkpoint_format.MAX_JSON_BYTES
+    if len(data) > limit:
+        raise CheckpointError(
+            f"The checkpoint's index would take {len(data)} bytes ({len(index['tensors'])} tensors,"
+            f" {len(index['files'])} files), above the {limit} bytes a load reads; nothing was saved. Save"
+            " fewer, larger tensors, or with state_dict_type='full' (two files)."
+        )
+    return data
+

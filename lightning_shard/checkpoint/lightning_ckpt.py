@@ -1,0 +1,108 @@
+"""Reading a Lightning ``.ckpt`` file: what ``Trainer.save_checkpoint`` writes under DDP, on a single device, with
+FSDPStrategy's ``state_dict_type="full"`` or ModelParallelStrategy's ``save_distributed_checkpoint=False``, and what
+``fabric.save`` writes under those strategies.
+
+The file is opened with the restricted ``torch.load`` (see [Note: no pickle runs]) and ``mmap=True``: every tensor
+stays a view of the memory-mapped file, so a rank that reads its rows of a parameter pages in those rows and nothing
+else, and no rank ever holds the whole model or optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_shard.checkpoint.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
+from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.safe_pickle import load_restricted
+
+TRAINER_MODEL = "state_dict"  # the Trainer's checkpoint dict: the LightningModule's state_dict
+TRAINER_OPTIMIZERS = "optimizer_states"  # ... and a list of optimizer.state_dict()s
+
+
+def read_lightning_ckpt(
+    path: Path, module_key: str | None = None, optimizer_keys: Sequence[str] = ()
+) -> ForeignCheckpoint:
+    """The checkpoint in the ``torch.save`` file ``path``. A Trainer checkpoint keeps the model under
+    ``"state_dict"`` and the optimizers under ``"optimizer_states"``; a Fabric one under the keys its state dict
+    used, which ``module_key`` and ``optimizer_keys`` name (used when the file holds them)."""
+    what = f"The Lightning checkpoint file {path}"
+    checkpoint = load_restricted(path, what, mmap=True)
+    if not isinstance(checkpoint, Mapping):
+        raise CheckpointError(f"{what} holds a {type(checkpoint).__name__}, not Lightning's checkpoint dict.")
+    values = dict(checkpoint)
+    if module_key is not None and module_key in values:
+        model_entry = values.pop(module_key)
+        optimizer_entries = [values.pop(k) for k in optimizer_keys if k in values]
+    elif TRAINER_MODEL in values:
+        model_entry = values.pop(TRAINER_MODEL)
+        optimizer_entries = list(values.pop(TRAINER_OPTIMIZERS, None) or [])
+    else:
+        wanted = f"{module_key!r} or {TRAINER_MODEL!r}" if module_key else repr(TRAINER_MODEL)
+        raise CheckpointError(
+            f"{what} has no model state dict under {wanted}; its keys are {sorted(map(str, values))}."
+        )
+    model, ties = _model_tensors(model_entry, what)
+    optimizers = [_optimizer(state, f"{what}, optimizer {i}") for i, state in enumerate(optimizer_entries)]
+    return ForeignCheckpoint(path, "the Lightning checkpoint file", model, optimizers, values, ties)
+
+
+def _model_tensors(state_dict: Any, what: str) -> tuple[dict[str, ForeignTensor], dict[str, str]]:
+    """The state dict's tensors, and its tied keys: a key whose tensor is the very tensor (same storage, offset,
+    shape and strides) of an earlier key is recorded as an alias of that key."""
+    if not isinstance(state_dict, Mapping):
+        raise CheckpointError(f"{what}: the model state dict is a {type(state_dict).__name__}, not a dict of tensors.")
+    tensors: dict[str, ForeignTensor] = {}
+    ties: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str) or not isinstance(value, Tensor):
+            raise CheckpointError(
+                f"{what}: the model state dict holds {key!r} = {type(value).__name__}; only tensors can be loaded"
+                " into a sharded model (extra state from get_extra_state() is not supported)."
+            )
+        identity = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride(),
+                    value.dtype)
+        if value.numel() and identity in seen:
+            ties[key] = seen[identity]
+            continue
+        seen.setdefault(identity, key)
+        tensors[key] = stored(value)
+    return tensors, ties
+
+
+def stored(tensor: Tensor) -> ForeignTensor:
+    """A tensor of the memory-mapped file as a ``ForeignTensor``: each read copies only the rows asked for."""
+    return ForeignTensor(tuple(tensor.shape), tensor.dtype, lambda start, stop: _rows(tensor, start, stop))
+
+
+def _rows(tensor: Tensor, start: int, stop: int) -> Tensor:
+    if tensor.dim() == 0:
+        return tensor.detach().clone() if start < stop else torch.empty(0, dtype=tensor.dtype)
+    return tensor.detach()[start:stop].clone()  # pages in these rows only
+
+
+def _optimizer(state: Any, what: str) -> ForeignOptimizer:
+    """An ``optimizer.state_dict()`` (integer keys) or a name-keyed one (``get_optimizer_state_dict``'s full form)."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    per_param = state.get("state") if isinstance(state, Mapping) else None
+    if not (isinstance(groups, list) and isinstance(per_param, Mapping)
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups)):
+        raise CheckpointError(f"{what} is not an optimizer state dict ('state' and 'param_groups' with 'params').")
+    keys = [k for g in groups for k in g["params"]] + list(per_param)
+    if all(isinstance(k, int) and not isinstance(k, bool) for k in keys):
+        kind = ParamKeys.POSITION
+    elif all(isinstance(k, str) for k in keys):
+        kind = ParamKeys.NAME
+    else:
+        raise CheckpointError(f"{what} keys its parameters neither all by position nor all by name: {keys[:8]}.")
+    states: dict[int | str, dict[str, Any]] = {}
+    for key, values in per_param.items():
+        if not isinstance(values, Mapping):
+            raise CheckpointError(f"{what}: the state of parameter {key!r} is a {type(values).__name__}, not a dict.")
+        states[key] = {str(k): stored(v) if isinstance(v, Tensor) else v for k, v in values.items()}
+    return ForeignOptimizer(kind, [dict(g) for g in groups], states)

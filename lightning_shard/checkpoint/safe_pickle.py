@@ -1,0 +1,150 @@
+"""Reading ``torch.save`` files (Lightning's ``.ckpt``, a DCP directory's ``meta.pt`` and its byte entries) without
+ever running code from them.
+
+[Note: no pickle runs]
+A pickle is a program: unpickling an arbitrary one may call any function it names (``os.system``). These files are
+read only with ``torch.load(weights_only=True)``, whose unpickler builds tensors, plain containers and numbers and
+nothing else, widened here by exactly the types Lightning itself writes into a checkpoint (``lightning_types()``):
+its ``AttributeDict`` of hyperparameters (read as a plain dict), ``pathlib`` paths, numeric numpy scalars and
+arrays. Every other name a pickle refers to is refused before anything is built, with a ``CheckpointError`` that
+names it. There is no switch to
+unpickle in full: a checkpoint comes from a shared file system or the internet as often as from its own job, and
+one that needs more than these types is converted once, where its origin is known (docs/troubleshooting.md).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_shard.checkpoint.format import CheckpointError
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_MODULE_ALIASES = {"posix": "os", "nt": "os"}  # where os.system & co. pickle from
+
+
+def is_torch_zip(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as the zip archive ``torch.save`` writes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _ZIP_MAGIC
+    except OSError:
+        return False
+
+
+def lightning_types() -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
+    """The types beyond tensors and plain containers that Lightning writes into checkpoints, as
+    ``torch.serialization.safe_globals`` takes them: a pair reads the type a name stands for as another type.
+
+    ``AttributeDict`` (hyperparameters, as older Lightning releases saved them) is read as the plain ``dict`` it
+    holds: the restricted reader fills only plain dicts, and a checkpoint's hyperparameters are data, used by name.
+    """
+    import importlib
+    import pathlib
+
+    import numpy as np
+
+    multiarray = importlib.import_module("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray")
+    attribute_dicts = ("lightning.fabric.utilities.data", "lightning.pytorch.utilities.parsing",
+                       "pytorch_lightning.utilities.parsing", "lightning_fabric.utilities.data")
+    return [
+        *[(dict, f"{module}.AttributeDict") for module in attribute_dicts],
+        pathlib.PosixPath,  # a path in hyperparameters or a callback's state
+        pathlib.PurePosixPath,
+        # a numpy number (np.float64(0.5)) or numeric array in a callback's state, written by numpy 1 or 2; an array's
+        # elements are unpickled by this same restricted reader
+        np.dtype,
+        np.ndarray,
+        *_numeric_dtype_classes(),
+        *[(fn, f"numpy.{core}.multiarray.{fn.__name__}") for fn in (multiarray.scalar, multiarray._reconstruct)
+          for core in ("core", "_core")],
+    ]
+
+
+def _numeric_dtype_classes() -> list[type]:
+    """numpy's dtype classes of booleans and numbers (numpy 1.25 and later pickle a dtype by its class)."""
+    import numpy as np
+
+    names = ("Bool", "Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "Float16", "Float32",
+             "Float64", "Complex64", "Complex128")
+    dtypes = getattr(np, "dtypes", None)
+    return [getattr(dtypes, f"{n}DType") for n in names if hasattr(dtypes, f"{n}DType")]
+
+
+def load_restricted(source: Path | bytes, what: str, mmap: bool = False) -> Any:
+    """``torch.load`` of ``source`` (a path, or the bytes of one ``torch.save``) admitting only tensors, plain
+    containers and ``lightning_types()`` (see [Note: no pickle runs]). Tensors land on the CPU; with ``mmap`` (a path
+    only) they stay memory-mapped, so only the bytes read from them are ever in memory. ``what`` names the source in
+    errors. Raises ``CheckpointError`` naming every function or class the pickle refers to beyond those."""
+    types = lightning_types()
+    with torch.serialization.safe_globals(types):
+        _refuse_unsafe_globals(source, what)
+        try:
+            if isinstance(source, Path):
+                return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:  # refused while reading: a name the scan could not see, an opcode
+            names, built = _names_in(str(err)), _BUILT_IN_ERROR.findall(str(err))
+            if names or built:
+                refusal = _refusal(what, names, "calls") if names else _refusal(what, built, "builds")
+                raise CheckpointError(refusal) from None
+            raise CheckpointError(
+                f"{what} holds a pickle that torch.load(weights_only=True) refuses ({_refused_line(err)});"
+                " lightning_shard never unpickles in full (see 'holds a pickle that calls' in docs/troubleshooting.md)."
+            ) from None
+        except (RuntimeError, ValueError, EOFError, zipfile.BadZipFile, OSError) as err:
+            raise CheckpointError(f"{what} cannot be read as a torch.save file: {_first_line(err)}") from None
+
+
+def _refuse_unsafe_globals(source: Path | bytes, what: str) -> None:
+    """Scan the pickle without running it; refuse it when it names anything that is not admitted."""
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(
+            source if isinstance(source, Path) else io.BytesIO(source)
+        )
+    except (ValueError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"{what} is not a torch.save archive that can be read: {_first_line(err)}") from None
+    if unsafe:
+        raise CheckpointError(_refusal(what, sorted(unsafe)))
+
+
+def _refusal(what: str, names: list[str], verb: str = "calls") -> str:
+    shown = ", ".join(_display(n) for n in names)
+    return (
+        f"{what} holds a pickle that {verb} {shown}; refused. lightning_shard reads torch.save files only with"
+        " torch.load(weights_only=True), admitting tensors, plain containers and the types Lightning writes"
+        " (AttributeDict, pathlib paths, numeric numpy values), and never unpickles in full: a pickle can run any"
+        " command. A checkpoint that needs other types must be rewritten with plain values where its origin is"
+        " trusted (see 'holds a pickle that calls' in docs/troubleshooting.md)."
+    )
+
+
+def _display(name: str) -> str:
+    module, _, attr = name.rpartition(".")
+    alias = _MODULE_ALIASES.get(module)
+    return f"{name} ({alias}.{attr})" if alias else name
+
+
+_GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
+_BUILT_IN_ERROR = re.compile(r"but got <class '([\w.]+)'>")  # a type built through an admitted name (object arrays)
+
+
+def _names_in(message: str) -> list[str]:
+    return sorted(set(_GLOBAL_IN_ERROR.findall(message)))
+
+
+def _refused_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if "nsupported" in line]
+    return lines[0] if lines else "an unsupported construct"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"

@@ -1,0 +1,303 @@
+"""A sharded model's and its optimizers' state as state dicts, full or sharded: what the Trainer's
+``strategy.lightning_module_state_dict()`` and ``strategy.optimizer_state(optimizer)`` and Fabric's
+``get_module_state_dict`` and ``get_optimizer_state`` return, and what plain-PyTorch code gets from
+``model_state_dict`` and ``optimizer_state_dict``.
+
+    from lightning_shard.checkpoint.state_dict import model_state_dict, optimizer_state_dict
+
+    full = model_state_dict(model, "full")          # collective; rank 0: {name: CPU tensor}, other ranks: {}
+    shards = model_state_dict(model, "sharded")     # collective; every rank: {name: DTensor view of its rows}
+
+[Note: state dicts of a sharded model]
+The contract is the one Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy`` give and that
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``get_optimizer_state_dict`` give for FSDP2
+(optimizer state keyed by name in both layouts, as the latter and Fabric's ``FSDPStrategy`` key it; the Trainer's
+strategies renumber the full layout's keys by position on rank 0).
+
+- Names are those of the unsharded module's ``state_dict()``, in its order: buffers included, a tied weight under each
+  of its names (one tensor object), extra state as the module gives it. Optimizer state is keyed by parameter name
+  (a tied parameter's first name, as ``named_parameters()`` lists it): ``{"state": {name: {key: value}},
+  "param_groups": [{options..., "params": [name, ...]}]}``, each group's options as ``optimizer.state_dict()``
+  gives them; state that does not exist yet (before the first step) is absent, as in ``optimizer.state_dict()``.
+- ``"full"``: on global rank 0, every parameter and every per-parameter optimizer tensor gathered into a new CPU
+  tensor of its global shape, one tensor at a time (each all-gather over the shard group; the other ranks of the
+  shard group take part and drop what they receive at once, so they hold at most one full tensor beside their
+  shards, and the ranks of other replicas take part in nothing). Buffers and scalar optimizer state (``step``) are
+  rank 0's, moved to the CPU. Every other rank gets ``{}``.
+- ``"sharded"``: on every rank, each parameter as a ``DTensor`` over the mesh (``ShardMesh.device_mesh``, see
+  [Note: the DeviceMesh of a ShardMesh]): ``Shard(0)`` over the shard dimension and ``Replicate()`` over the replicate
+  dimension, whose local tensor is a view of this rank's rows of the live shard (no copy: later steps show in it, as
+  in a plain module's ``state_dict()``). Dim-0 shards of ``ceil(rows / shard_size)`` rows are exactly
+  ``torch.chunk``'s, which is how ``Shard(0)`` splits, so a rank holding fewer rows or none gets a local tensor of
+  that many rows; the global shape and stride are given explicitly. Per-parameter optimizer tensors (``exp_avg``,
+  ``momentum_buffer``) are ``DTensor`` views the same way; buffers and scalar optimizer state are this rank's plain
+  tensors (identical on every rank), as FSDP2 gives them. Optimizer tensors of another shape are passed as this rank
+  holds them, as the checkpoint directory stores them.
+- A 0-dim parameter is one row, held by shard rank 0 alone; ``DTensor`` cannot shard a 0-dim tensor (nor does FSDP2
+  accept one), so under ``"sharded"`` it is a ``DTensor`` replicated on every rank (``Replicate()`` on every mesh
+  dimension) whose value each rank receives from its shard rank 0 (one broadcast of one element: a copy, not a view).
+  Its per-row optimizer state likewise.
+
+Either layout is a collective: every rank calls it, in the same order. Nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.engine.progress import about
+from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+
+
+def model_state_dict(module: nn.Module, layout: StateDictType | str) -> dict[str, Any]:
+    """The state dict of ``module`` (sharded by ``lightning_shard``) in ``layout`` (``"full"`` or ``"sharded"``); see
+    [Note: state dicts of a sharded model]. Collective."""
+    engine = _engine(module, "model_state_dict")
+    with _plain_tensors():
+        if StateDictType.parse(layout) is StateDictType.FULL:
+            return _full_model_state_dict(engine)
+        return _sharded_model_state_dict(engine)
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, layout: StateDictType | str) -> dict[str, Any]:
+    """The state of ``optimizer`` (built on the shards of ``module``) keyed by parameter name, in ``layout``; see
+    [Note: state dicts of a sharded model]. Collective."""
+    engine = _engine(module, "optimizer_state_dict")
+    params, state, groups = _named_optimizer_state(engine, optimizer)
+    with _plain_tensors():
+        if StateDictType.parse(layout) is StateDictType.FULL:
+            return _full_optimizer_state_dict(engine, params, state, groups)
+        return _sharded_optimizer_state_dict(engine, params, state, groups)
+
+
+# Full: gathered on global rank 0 #
+
+
+def _full_model_state_dict(engine: ShardedModule) -> dict[str, Any]:
+    mesh = engine.mesh
+    if mesh.replicate_rank != 0:
+        return {}  # replicas hold the same shards as replica 0, whose ranks gather for rank 0
+    holds = mesh.rank == 0
+    units = _unit_names(engine)
+    out: dict[str, Any] = {}
+    gathered: dict[int, Tensor | None] = {}  # a tied weight is gathered once, on every rank alike
+    for key, p, value in _entries(engine):
+        if p is None:
+            if holds:
+                out[key] = value.detach().cpu() if isinstance(value, Tensor) else value
+            continue
+        if id(p) not in gathered:
+            full = _gather_to_cpu(engine, p, p.sharded.detach(), units[id(p)])
+            gathered[id(p)] = full if holds else None  # the others hold at most one full tensor at a time
+            del full
+        if holds:
+            out[key] = gathered[id(p)]
+    return out
+
+
+def _full_optimizer_state_dict(
+    engine: ShardedModule,
+    params: dict[str, ShardedParam],
+    state: dict[str, dict[str, Any]],
+    groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    mesh = engine.mesh
+    if mesh.replicate_rank != 0:
+        return {}
+    holds = mesh.rank == 0
+    units = _unit_names(engine)
+    full_state: dict[str, dict[str, Any]] = {}
+    for name, param_state in state.items():
+        p = params[name]
+        values: dict[str, Any] = {}
+        for key, value in param_state.items():
+            if _is_per_row(p, value):
+                full = _gather_to_cpu(engine, p, value.detach(), units[id(p)])
+                if holds:
+                    values[key] = full
+                del full
+            elif holds:
+                values[key] = value.detach().cpu() if isinstance(value, Tensor) else value
+        if holds:
+            full_state[name] = values
+    return {"state": full_state, "param_groups": groups} if holds else {}
+
+
+def _gather_to_cpu(engine: ShardedModule, p: ShardedParam, local: Tensor, unit: str) -> Tensor:
+    """``p``'s full tensor from every rank's rows ``local`` (shaped like ``p.sharded``), in a CPU tensor of its own
+    (not a view into a padded buffer: ``torch.save`` of a view writes its whole storage). Collective."""
+    with about(unit):  # a stalled gather names the unit
+        full = engine.gather_full(p, local).cpu()
+    if full.untyped_storage().nbytes() != full.numel() * full.element_size():
+        full = full.clone()
+    return full
+
+
+# Sharded: DTensor views of every rank's rows #
+
+
+def _sharded_model_state_dict(engine: ShardedModule) -> dict[str, Any]:
+    device_mesh, units = _device_mesh(engine), _unit_names(engine)
+    out: dict[str, Any] = {}
+    made: dict[int, DTensor] = {}
+    for key, p, value in _entries(engine):
+        if p is None:
+            out[key] = value.detach() if isinstance(value, Tensor) else value
+            continue
+        if id(p) not in made:  # a tied weight: one DTensor under each of its names
+            made[id(p)] = _as_dtensor(engine, device_mesh, p, p.sharded.detach(), units[id(p)])
+        out[key] = made[id(p)]
+    return out
+
+
+def _sharded_optimizer_state_dict(
+    engine: ShardedModule,
+    params: dict[str, ShardedParam],
+    state: dict[str, dict[str, Any]],
+    groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    device_mesh, units = _device_mesh(engine), _unit_names(engine)
+    sharded: dict[str, dict[str, Any]] = {}
+    for name, param_state in state.items():
+        p = params[name]
+        sharded[name] = {
+            key: _as_dtensor(engine, device_mesh, p, value.detach(), units[id(p)]) if _is_per_row(p, value) else value
+            for key, value in param_state.items()
+        }
+    return {"state": sharded, "param_groups": groups}
+
+
+def _device_mesh(engine: ShardedModule) -> DeviceMesh:
+    """The mesh the DTensors live on, for the device the shards live on (the CPU under ``cpu_offload``), so that no
+    local tensor is moved."""
+    return engine.mesh.device_mesh(engine.sharding_strategy, engine.units[0].shard_device.type)
+
+
+def _as_dtensor(engine: ShardedModule, device_mesh: DeviceMesh, p: ShardedParam, local: Tensor, unit: str) -> DTensor:
+    """``local`` (this rank's rows of ``p``, or of a tensor shaped like it) as a DTensor of ``p``'s global shape."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if len(p.global_shape) == 0:  # one row, on shard rank 0 alone: replicated (see the note)
+        scalar = _scalar_from_shard_rank0(engine, device_mesh, p, local, unit)
+        placements: list[Placement] = [Replicate()] * device_mesh.ndim
+        return DTensor.from_local(scalar, device_mesh, placements, shape=torch.Size(), stride=())
+    return DTensor.from_local(
+        local, device_mesh, _placements(device_mesh), shape=p.global_shape, stride=_contiguous_stride(p.global_shape)
+    )
+
+
+def _placements(device_mesh: DeviceMesh) -> list[Placement]:
+    """``Shard(0)`` along the mesh's ``"shard"`` dimension, ``Replicate()`` along ``"replicate"``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    names = device_mesh.mesh_dim_names or ()
+    return [Shard(0) if name == "shard" else Replicate() for name in names]
+
+
+def _scalar_from_shard_rank0(
+    engine: ShardedModule, device_mesh: DeviceMesh, p: ShardedParam, local: Tensor, unit: str
+) -> Tensor:
+    """The value of a 0-dim ``p`` (its one row, held by shard rank 0) on every rank. Collective over the mesh's shard
+    dimension."""
+    if p.shard_size == 1:
+        return local.view(())  # every rank holds the row
+    if p.local_rows == 1:  # shard rank 0 sends its row and keeps the view of it
+        sent = local.view(()).to(engine.device)
+    else:
+        sent = torch.empty((), dtype=local.dtype, device=engine.device)
+    with about(unit):
+        dist.broadcast(sent, group=device_mesh.get_group("shard"), group_src=0)
+    return local.view(()) if p.local_rows == 1 else sent.to(local.device)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+# Names #
+
+
+def _entries(engine: ShardedModule) -> Iterator[tuple[str, ShardedParam | None, Any]]:
+    """The root's ``state_dict()`` entries in order, as ``(key, the parameter it holds or None, value)``. A parameter
+    is recognised by its name or by the tensor the module holds for it (either face: the unsharded one while a unit
+    is gathered), so the shards are read whatever the units' state."""
+    by_name: dict[str, ShardedParam] = {}
+    by_tensor: dict[int, ShardedParam] = {}
+    for p in engine.sharded_params():
+        by_name.update(dict.fromkeys(p.fqns, p))
+        for face in (getattr(p, "sharded", None), getattr(p, "unsharded", None)):
+            if face is not None:
+                by_tensor[id(face)] = p
+    for key, value in engine.root.state_dict(keep_vars=True).items():
+        held = by_name.get(key) or (by_tensor.get(id(value)) if isinstance(value, Tensor) else None)
+        yield key, held, value
+
+
+def _named_optimizer_state(
+    engine: ShardedModule, optimizer: Optimizer
+) -> tuple[dict[str, ShardedParam], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """``optimizer``'s per-parameter state keyed by parameter name, in parameter order, and its groups with
+    ``"params"`` as names. Raises ``ValueError`` (on every rank alike) if it holds tensors that are not shards of
+    ``engine``'s model."""
+    by_shard = {id(p.sharded): p for p in engine.sharded_params()}
+    params = [q for group in optimizer.param_groups for q in group["params"]]
+    foreign = [i for i, q in enumerate(params) if id(q) not in by_shard]
+    if foreign:
+        raise ValueError(
+            f"The optimizer holds {len(foreign)} tensor(s) (positions {foreign} in its parameter groups) that are"
+            " not shards of the sharded model, so its state cannot be named by parameter. Build the optimizer from"
+            " the sharded model's parameters (after it was set up), and pass the optimizer of that model."
+        )
+    packed = optimizer.state_dict()
+    names = [by_shard[id(q)].fqn for q in params]
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[i] for i in group["params"]]}
+        for group in packed["param_groups"]
+    ]
+    state = {names[i]: dict(packed["state"][i]) for i in sorted(packed["state"])}
+    return {names[i]: by_shard[id(q)] for i, q in enumerate(params)}, state, groups
+
+
+def _is_per_row(p: ShardedParam, value: Any) -> bool:
+    """Whether an optimizer state value holds this rank's rows of a tensor shaped like ``p`` (as the checkpoint
+    writer decides it: the shard's own shape)."""
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape == p.sharded.shape
+
+
+def _unit_names(engine: ShardedModule) -> dict[int, str]:
+    """``id(parameter)`` -> the name of the unit holding it, for naming a stalled collective."""
+    return {id(p): unit.name for unit in engine.units for p in unit.params}
+
+
+def _engine(module: nn.Module, caller: str) -> ShardedModule:
+    engine = sharded_module_of(module)
+    if engine is None:
+        raise TypeError(
+            f"{caller}() needs the module sharded by lightning_shard (the LightningModule under the Trainer, the"
+            f" module fabric.setup_module() set up, or the one given to shard_model()); this"
+            f" {type(module).__name__} is not."
+        )
+    return engine
+
+
+@contextmanager
+def _plain_tensors() -> Iterator[None]:
+    """Build state dicts as normal tensors without autograd, also under inference mode (a Lightning evaluation hook
+    that saves a checkpoint), so that they can be used and changed anywhere afterwards."""
+    with torch.no_grad(), torch.inference_mode(False):
+        yield

@@ -1,0 +1,175 @@
+"""Checkpoints as a large world writes them, from one process: for tests and benchmarks of how the checkpoint format
+scales with the writer's world size.
+
+    from lightning_shard.testing_checkpoints import simulate_save
+
+    model = build_model()                                  # a plain module: full weights, no process group
+    simulate_save("ckpt", model, world_size=1024)          # the directory 1,024 FULL_SHARD ranks would write
+
+``simulate_save`` writes the checkpoint directory that ``save_checkpoint`` called on ``world_size`` ranks of a
+``FULL_SHARD`` mesh ``(1, world_size)`` writes for the same weights, optimizer state and values: one shard file per
+rank holding rows (by the rule of [Note: rows by rule]), the trainer state and the index. It runs the save's own
+code for everything but the collectives (``write_shard_file`` for each simulated rank's file, ``build_index``,
+``encode_index``, ``commit``), so the result is what a real save writes; tests check that against a real 2-rank
+save. Memory stays at the model (each rank's rows are views of the full tensors).
+
+``simulated_index`` builds, without any tensor or file, the index a save of a model of given parameter shapes would
+write at a world size: how big it is, against the limit a load reads (``MAX_JSON_BYTES``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError, shard_file_name
+from lightning_shard.checkpoint.index import FileRecord, SavedTensor, build_index, encode_index
+from lightning_shard.checkpoint.layout import shard_rows
+from lightning_shard.checkpoint.save import (
+    StateDictType,
+    commit,
+    index_head,
+    optimizer_plan,
+    refuse_to_replace_other_data,
+    saved_tensors,
+    write_shard_file,
+    write_trainer_state,
+)
+from lightning_shard.checkpoint.trainer_state import to_json_tree
+from lightning_shard.engine.policies import ShardingStrategy
+
+_Local = list[tuple[str, Tensor, tuple[int, int] | None]]
+
+
+def simulate_save(
+    path: str | Path,
+    module: nn.Module,
+    world_size: int,
+    optimizers: Sequence[Optimizer] = (),
+    values: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the checkpoint directory ``world_size`` FULL_SHARD ranks would write for ``module`` (a plain module
+    holding full weights), the state of ``optimizers`` (built on its parameters) and ``values``, at ``path``
+    (replaced if it is a checkpoint). A 0-dim parameter must have no tensor optimizer state (its row-split state
+    cannot be told from scalar state here: refused)."""
+    path = Path(path)
+    refuse_to_replace_other_data(path)
+    params, ties = _parameters(module)
+    owned = {id(p) for _, p in module.named_parameters(remove_duplicate=False)}
+    buffers = [(k, v) for k, v in module.state_dict(keep_vars=True).items() if id(v) not in owned]
+    buffers = [(k, v.detach()) for k, v in buffers]
+    by_id = {id(p): (fqn, p.shape, p.shape) for fqn, p in params}
+    plans = [optimizer_plan(opt, i, by_id) for i, opt in enumerate(optimizers)]
+    _refuse_optimizer_state_of_0_dim_parameters(params, plans)
+    optim = [(name, full_of(pid, params), value) for _, tensors in plans for name, pid, value in tensors]
+
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    records: list[FileRecord] = []
+    for shard in range(world_size):
+        local = _shard_tensors(shard, world_size, params, optim, buffers)
+        records += write_shard_file(tmp / shard_file_name(shard, world_size), shard, local)
+    tensors: dict[str, Tensor] = {}
+    records += write_trainer_state(tmp, to_json_tree(dict(values or {}), tensors), tensors)
+    contents = saved_tensors([(fqn, tuple(p.shape), p.dtype) for fqn, p in params], buffers,
+                             [(name, tuple(full.shape) if full is not None else None, value)
+                              for name, full, value in optim], split=True)
+    head = index_head(StateDictType.SHARDED, world_size, (1, world_size), ShardingStrategy.FULL_SHARD.value, ties,
+                      [meta for meta, _ in plans])
+    commit(tmp, path, encode_index(build_index(head, contents, records)))
+    return path
+
+
+def full_of(pid: int | None, params: list[tuple[str, nn.Parameter]]) -> Tensor | None:
+    """The parameter whose id is ``pid`` (``None`` for scalar state)."""
+    return None if pid is None else next(p for _, p in params if id(p) == pid)
+
+
+def _parameters(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], dict[str, str]]:
+    """Each parameter once, under its first name (``named_parameters()`` order, as the engine names it), and the
+    other names of tied parameters mapped to it."""
+    first: dict[int, str] = {}
+    params: list[tuple[str, nn.Parameter]] = []
+    ties: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+            params.append((name, p))
+    return params, ties
+
+
+def _refuse_optimizer_state_of_0_dim_parameters(params: list[tuple[str, nn.Parameter]], plans: list[Any]) -> None:
+    """A real rank holds a 0-dim parameter as one row, so Adam's moments of it are split by rows while its ``step``
+    is scalar; on the full 0-dim parameter both are 0-dim and cannot be told apart: refused."""
+    zero_dim = {fqn for fqn, p in params if p.dim() == 0}
+    with_state = {name.split("/", 2)[2].rsplit("/", 1)[0] for _, tensors in plans for name, _, _ in tensors}
+    if zero_dim & with_state:
+        raise ValueError(
+            f"simulate_save does not simulate optimizer state of 0-dim parameters: {sorted(zero_dim & with_state)}."
+        )
+
+
+def _shard_tensors(
+    shard: int,
+    world_size: int,
+    params: list[tuple[str, nn.Parameter]],
+    optim: list[tuple[str, Tensor | None, Tensor]],
+    buffers: list[tuple[str, Tensor]],
+) -> _Local:
+    """What rank ``shard`` of the simulated world writes, in the order a real rank writes it (``local_tensors``)."""
+    out: _Local = []
+
+    def rows_of(key: str, full: Tensor, value: Tensor) -> None:
+        rows = full.shape[0] if full.dim() else 1
+        lo, hi = shard_rows(rows, world_size, shard)
+        if hi > lo:
+            out.append((key, value.detach().reshape(rows, *value.shape[1:])[lo:hi], (lo, hi)))
+
+    for fqn, p in params:
+        rows_of(MODEL_PREFIX + fqn, p, p)
+    for name, full, value in optim:
+        if full is not None:
+            rows_of(name, full, value)
+        elif shard == 0:
+            out.append((name, value, None))
+    if shard == 0:
+        out.extend((MODEL_PREFIX + k, v, None) for k, v in buffers)
+    return out
+
+
+def simulated_index(
+    param_shapes: Mapping[str, tuple[int, ...]],
+    world_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    optimizer_states: Sequence[str] = ("exp_avg", "exp_avg_sq"),
+) -> bytes:
+    """The bytes of the ``index.json`` a sharded save by ``world_size`` FULL_SHARD ranks writes for parameters of
+    ``param_shapes`` (name -> global shape) with an Adam-like optimizer (``optimizer_states`` shaped like each
+    parameter, and a scalar ``step``): built in memory, no tensor allocated, no file written. Raises
+    ``CheckpointError`` as a save does when it would exceed ``MAX_JSON_BYTES``."""
+    tensors = [SavedTensor(MODEL_PREFIX + name, tuple(shape), dtype, True) for name, shape in param_shapes.items()]
+    for name, shape in param_shapes.items():
+        tensors.append(SavedTensor(f"{OPTIMIZER_PREFIX}0/{name}/step", (), torch.float32, False))
+        tensors += [SavedTensor(f"{OPTIMIZER_PREFIX}0/{name}/{state}", tuple(shape), torch.float32, True)
+                    for state in optimizer_states]
+    whole = {t.key: t.key for t in tensors if not t.split}
+    digest = hashlib.sha256(b"").hexdigest()
+    records = [FileRecord(shard_file_name(s, world_size), 10**11, digest, s, whole if s == 0 else {})
+               for s in range(world_size)]
+    records += [FileRecord(name, 10**6, digest, None) for name in ("trainer_state.json", "trainer_state.safetensors")]
+    options = {"lr": 1e-4, "betas": {"__tuple__": [0.9, 0.95]}, "eps": 1e-8, "weight_decay": 0.1}
+    optimizers = [{"param_groups": [{"params": list(param_shapes), "options": options}], "values": {}}]
+    head = index_head(StateDictType.SHARDED, world_size, (1, world_size), ShardingStrategy.FULL_SHARD.value, {},
+                      optimizers)
+    if not param_shapes:
+        raise CheckpointError("simulated_index needs at least one parameter.")
+    return encode_index(build_index(head, tensors, records))

@@ -1,0 +1,351 @@
+"""The checkpoint format at scale: an index that grows with tensors + files (never tensors x files), loads that read
+only the files holding their rows, a save that gathers the files' records on rank 0 alone and never writes an index a
+load would refuse, and version-1 checkpoints (which listed every piece) still read.
+
+Large worlds are simulated: ``lightning_shard.testing_checkpoints.simulate_save`` writes, in one process, the
+directory ``world_size`` ranks would write, with the save's own code (checked here against a real 2-rank save)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_shard import CheckpointError, consolidate, inspect
+from lightning_shard.checkpoint import consolidate as consolidate_module
+from lightning_shard.checkpoint import format as checkpoint_format
+from lightning_shard.checkpoint.format import INDEX_FILE, MAX_JSON_BYTES, shard_file_name
+from lightning_shard.checkpoint.index import read_index
+from lightning_shard.checkpoint.layout import shard_rows
+from lightning_shard.checkpoint.reader import RowReads, read_rows
+from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.testing import run_on_ranks
+from lightning_shard.testing_checkpoints import simulate_save, simulated_index
+from tests.checkpoint_scaling_fits import (
+    EXPECTED_V1,
+    FIXTURE_V1,
+    TallGPT,
+    load_counting,
+    load_version_1_fixture,
+    plain_state,
+    save_sharded,
+    trained_plain,
+)
+from tests.models import TinyGPT
+
+SIMULATED_WORLD = 1024
+
+
+def _assert_equal_states(got: dict[str, dict[str, torch.Tensor]], expected: dict[str, dict[str, torch.Tensor]]) -> None:
+    for part in ("params", "optimizer"):
+        assert sorted(got[part]) == sorted(expected[part]), part
+        for name, value in expected[part].items():
+            assert torch.equal(got[part][name], value), f"{part} {name}"
+
+
+def test_the_rows_a_shard_file_holds_are_the_rows_the_engine_gives_that_shard() -> None:
+    for rows in (0, 1, 2, 3, 7, 37, 64, 2048):
+        for shard_size in (1, 2, 3, 8, 1024):
+            p = ShardedParam([], [], torch.Size([rows, 4]), torch.float32, True, shard_size, 0)
+            for shard in range(shard_size):
+                first, count = p.rows_held_by(shard)
+                assert shard_rows(rows, shard_size, shard) == (min(first, rows), min(first, rows) + count)
+
+
+@pytest.fixture(scope="module")
+def two_and_eight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """TinyGPT after one AdamW step, saved by 2 ranks and by 8."""
+    root = tmp_path_factory.mktemp("scaling")
+    states = {ws: run_on_ranks(save_sharded, ws, str(root / f"w{ws}"), TinyGPT)[0] for ws in (2, 8)}
+    return {"root": root, "states": states}
+
+
+def test_an_index_grows_with_files_not_with_tensors_times_files(two_and_eight: dict[str, Any]) -> None:
+    root = two_and_eight["root"]
+    sizes = {ws: (root / f"w{ws}" / INDEX_FILE).stat().st_size for ws in (2, 8)}
+    assert sizes[8] <= 1.5 * sizes[2], sizes
+    index = {ws: json.loads((root / f"w{ws}" / INDEX_FILE).read_text()) for ws in (2, 8)}
+
+    def entries(ws: int) -> dict[str, Any]:  # whole tensors name shard 0's file, whose name says the world size
+        tensors = index[ws]["tensors"].items()
+        return {k: {**e, "file": e.get("file", "").replace(f"-of-{ws:05d}", "")} for k, e in tensors}
+
+    assert entries(8) == entries(2)  # one entry per tensor, whatever world wrote it
+    assert index[8]["shard_files"] == [shard_file_name(s, 8) for s in range(8)]
+
+
+def test_a_checkpoint_of_8_ranks_loads_on_2_with_exactly_its_tensors(two_and_eight: dict[str, Any]) -> None:
+    for loaded in run_on_ranks(load_counting, 2, str(two_and_eight["root"] / "w8"), TinyGPT):
+        _assert_equal_states(loaded, two_and_eight["states"][8])
+
+
+def test_a_simulated_save_writes_what_a_real_save_writes(two_and_eight: dict[str, Any], tmp_path: Path) -> None:
+    saved = two_and_eight["states"][2]  # the real 2-rank save's full state, into a plain model and optimizer
+    model, optimizer = trained_plain(TinyGPT)
+    model.load_state_dict(saved["params"])
+    names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    for p, state in optimizer.state.items():
+        for key in state:
+            state[key] = saved["optimizer"][f"0/{names[id(p)]}/{key}"].clone()
+    simulate_save(tmp_path / "simulated", model, 2, [optimizer], {"step": 1})
+    real, simulated = two_and_eight["root"] / "w2", tmp_path / "simulated"
+    assert sorted(p.name for p in simulated.iterdir()) == sorted(p.name for p in real.iterdir())
+    for path in real.iterdir():
+        assert (simulated / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.fixture(scope="module")
+def tall(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """TallGPT after one AdamW step, saved as 1,024 FULL_SHARD ranks would save it."""
+    model, optimizer = trained_plain(TallGPT)
+    path = simulate_save(tmp_path_factory.mktemp("tall") / "ckpt", model, SIMULATED_WORLD, [optimizer], {"step": 1})
+    return {"path": path, "state": plain_state(model, optimizer), "model": model, "optimizer": optimizer}
+
+
+def _expected_work(rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[set[str], int]:
+    """The files a loading rank of 2 must read (those holding its rows, and shard 0's, which holds whole tensors) and
+    the pieces it checks, counted from the shapes alone."""
+    files: set[str] = set()
+    pieces = 0
+
+    def rows(n: int, splits: int) -> None:
+        nonlocal pieces
+        mine = math.ceil(n / 2)
+        lo, hi = min(n, rank * mine), min(n, (rank + 1) * mine)
+        if hi > lo:
+            per = math.ceil(n / SIMULATED_WORLD)
+            shards = range(lo // per, math.ceil(hi / per))
+            files.update(shard_file_name(s, SIMULATED_WORLD) for s in shards)
+            pieces += splits * len(shards)
+
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            rows(p.shape[0] if p.dim() else 1, 1 + sum(v.dim() > 0 for v in optimizer.state.get(p, {}).values()))
+    whole = len(list(model.buffers())) + sum(v.dim() == 0 for s in optimizer.state.values() for v in s.values())
+    files.add(shard_file_name(0, SIMULATED_WORLD))
+    return files, pieces + whole
+
+
+def test_a_checkpoint_of_1024_ranks_loads_on_2_reading_only_the_files_holding_their_rows(tall: dict[str, Any]) -> None:
+    path = tall["path"]
+    assert len(list(path.glob("shard-*.safetensors"))) == SIMULATED_WORLD
+    for rank, loaded in enumerate(run_on_ranks(load_counting, 2, str(path), TallGPT)):
+        _assert_equal_states(loaded, tall["state"])
+        files, pieces = _expected_work(rank, tall["model"], tall["optimizer"])
+        assert sorted(loaded["headers_read"]) == sorted(files)  # each once: a header is read once per load
+        assert loaded["pieces_checked"] == pieces
+        opened = {Path(p).name for p in loaded["opened"]}
+        assert opened == files | {INDEX_FILE, "trainer_state.json", "trainer_state.safetensors"}
+        assert len(files) < 0.6 * SIMULATED_WORLD, len(files)
+
+
+def test_consolidate_and_inspect_read_each_header_once(
+    tall: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[str] = []
+    real = checkpoint_format.read_header
+
+    def counting(f: Any, path: Path, *args: Any) -> Any:
+        reads.append(path.name)
+        return real(f, path, *args)
+
+    monkeypatch.setattr(checkpoint_format, "read_header", counting)
+    out = consolidate(tall["path"], tmp_path / "model.safetensors")
+    assert sorted(reads) == sorted(p.name for p in tall["path"].glob("shard-*.safetensors"))
+    expected = tall["model"].state_dict()
+    for name, value in load_file(str(out)).items():
+        assert torch.equal(value, expected[name]), name
+    reads.clear()
+    assert inspect(tall["path"]).problems == []
+    assert sorted(reads) == sorted(p.name for p in tall["path"].glob("shard-*.safetensors"))
+
+
+READ_PATHS = {"runs scattered": {}, "runs scattered, 2 buffers a call": {"_IOV_MAX": 2},
+              "runs buffered": {"_scatters": lambda group: False},
+              "runs through 40 bytes": {"_scatters": lambda group: False, "_SPAN_BYTES": 40},
+              "no runs": {"_RUN_PIECE_BYTES": 0}}
+
+
+@pytest.mark.parametrize("path", sorted(READ_PATHS))
+def test_any_rows_of_a_split_tensor_read_exactly_as_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Every [start, stop) of every tensor: pieces cut at either end, whole pieces in runs across files whose
+    headers differ (shards 0-1 hold rows of a 2-row weight, shard 5 a short piece, shard 6 nothing); read by each
+    path: runs scattered into their targets (``preadv``, also 2 buffers a call), runs through a buffer (and one of 40
+    bytes: windows of one file, segments of one piece), every piece on its own."""
+    from lightning_shard.checkpoint import reader
+
+    for name, value in READ_PATHS[path].items():
+        monkeypatch.setattr(reader, name, value)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(23, 2), torch.nn.Linear(2, 23))  # in shards 0-1, the 2 rows first
+    ckpt = simulate_save(tmp_path / "ckpt", model, 7)  # 23 rows: 4 a shard, 3 in shard 5
+    assert sorted(p.name for p in ckpt.glob("shard-*")) == [shard_file_name(s, 7) for s in range(6)]
+    index = read_index(ckpt)
+    for name, value in model.state_dict().items():
+        entry = index["tensors"]["model/" + name]
+        for start in range(entry.rows + 1):
+            for stop in range(start, entry.rows + 1):
+                assert torch.equal(read_rows(entry, start, stop), value[start:stop]), (name, start, stop)
+    state = model.state_dict()
+    for names in (list(state), list(state)[::2]):  # in one read: runs of several tensors a file, and gaps between
+        reads = RowReads()
+        for name in names:
+            reads.add(index["tensors"]["model/" + name], 0, state[name].shape[0])
+        for name, value in zip(names, reads.run()):
+            assert torch.equal(value, state[name]), name
+
+
+@pytest.mark.parametrize("path", sorted(READ_PATHS))
+def test_a_corrupted_piece_among_many_is_named_by_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    from lightning_shard.checkpoint import reader
+
+    for name, value in READ_PATHS[path].items():
+        monkeypatch.setattr(reader, name, value)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64))
+    ckpt = simulate_save(tmp_path / "ckpt", model, 16)  # 4 rows of the weight and of the bias a file
+    shard = ckpt / shard_file_name(9, 16)
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF  # in the last tensor of the file: the bias (4 rows, 16 bytes)
+    shard.write_bytes(bytes(data))
+    entry = read_index(ckpt)["tensors"]["model/0.bias"]
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: 'model/0\.bias' does not match"):
+        read_rows(entry, 0, 64)
+    assert torch.equal(read_rows(entry, 0, 36), model.state_dict()["0.bias"][:36])  # shards 0-8 are intact
+    problems = [f"{shard.name}: SHA-256 differs from the index",
+                f"{shard.name}: model/0.bias rows [36, 40] fail their CRC-32"]
+    assert inspect(ckpt).problems == problems
+    monkeypatch.setattr(consolidate_module, "_BLOCK_BYTES", 7)  # pieces across blocks of the file
+    assert inspect(ckpt).problems == problems
+
+
+def test_a_version_1_checkpoint_still_loads_at_any_world_size() -> None:
+    expected = load_file(str(EXPECTED_V1))
+    assert json.loads((FIXTURE_V1 / INDEX_FILE).read_text())["version"] == 1
+    for world_size in (2, 3):
+        for loaded in run_on_ranks(load_version_1_fixture, world_size, str(FIXTURE_V1)):
+            assert loaded["values"] == {"step": 1}
+            for part in ("params", "optimizer"):
+                for name, value in loaded[part].items():
+                    assert torch.equal(value, expected[f"{part}/{name}"]), f"{part} {name} at {world_size} ranks"
+
+
+def _first_piece(edit: Any) -> Any:
+    return lambda index: edit(index["tensors"]["model/mix.weight"]["pieces"][0])
+
+
+VERSION_1_DAMAGE = {
+    "piece file is a list": (_first_piece(lambda p: p.__setitem__("file", [p["file"]])), r"has a malformed piece"),
+    "crc32 is a string": (_first_piece(lambda p: p.__setitem__("crc32", "abc")), r"has a malformed piece"),
+    "piece in an unlisted file": (_first_piece(lambda p: p.__setitem__("file", "other.safetensors")),
+                                  r"refers to the file 'other\.safetensors', which the index does not list"),
+    "gap": (_first_piece(lambda p: p.__setitem__("rows", [0, 1])), r"rows \[2, 3\) leaves a gap before it"),
+    "rows beyond the tensor": (lambda index: index["tensors"]["model/mix.weight"]["pieces"][1].__setitem__(
+        "rows", [2, 4]), r"rows \[2, 4\) lies beyond the tensor's 3 rows"),
+    "piece crc differs": (_first_piece(lambda p: p.__setitem__("crc32", p["crc32"] ^ 1)), r"is corrupted"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VERSION_1_DAMAGE))
+def test_a_damaged_version_1_index_is_refused(tmp_path: Path, case: str) -> None:
+    edit, pattern = VERSION_1_DAMAGE[case]
+    ckpt = tmp_path / "bad"
+    shutil.copytree(FIXTURE_V1, ckpt)
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    edit(index)
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=pattern):
+        consolidate(ckpt, tmp_path / "m.safetensors")
+
+
+def test_a_shard_file_without_the_checksum_of_a_piece_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model, optimizer = trained_plain(TinyGPT)
+    ckpt = simulate_save(tmp_path / "ckpt", model, 2, [optimizer])
+    shard = ckpt / shard_file_name(1, 2)
+    save_file(load_file(str(shard)), str(shard))  # the same tensors, no CRC-32s in the header
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    index["files"][shard.name]["size"] = shard.stat().st_size
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"{shard.name} records no CRC-32 of '.*': it is damaged"):
+        consolidate(ckpt, tmp_path / "m.safetensors")
+
+
+def saves_over_the_limit(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """Save TinyGPT; then, with the JSON limit just below that index's size, save again (refused), load the first
+    checkpoint (refused: the same limit), and save a trainer state above the limit (refused)."""
+    from lightning_shard.checkpoint import load_checkpoint, save_checkpoint
+    from lightning_shard.engine import shard_model
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    shard_model(model)
+    save_checkpoint(path, model, values={"note": "first"})
+    first = (Path(path) / INDEX_FILE).read_bytes()
+    errors = {}
+    original = checkpoint_format.MAX_JSON_BYTES
+    checkpoint_format.MAX_JSON_BYTES = len(first) - 1
+    try:
+        for what, call in (("save", lambda: save_checkpoint(path, model, values={"note": "second"})),
+                           ("load", lambda: load_checkpoint(path, model)),
+                           ("state", lambda: save_checkpoint(path, model, values={"note": "x" * len(first)}))):
+            try:
+                call()
+                errors[what] = ""
+            except CheckpointError as err:
+                errors[what] = str(err)
+    finally:
+        checkpoint_format.MAX_JSON_BYTES = original
+    values, _ = load_checkpoint(path, model)
+    return {"errors": errors, "limit": len(first) - 1, "values": values,
+            "unchanged": (Path(path) / INDEX_FILE).read_bytes() == first}
+
+
+def test_a_save_whose_json_exceeds_the_limit_a_load_reads_fails_before_anything_is_committed(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    for result in run_on_ranks(saves_over_the_limit, 2, str(path)):
+        limit = result["limit"]
+        assert f"index would take {limit + 1} bytes" in result["errors"]["save"]
+        assert f"above the {limit} bytes a load reads; nothing was saved" in result["errors"]["save"]
+        assert f"larger than {limit} bytes" in result["errors"]["load"]
+        assert "The trainer state would take" in result["errors"]["state"]
+        assert result["unchanged"] and result["values"] == {"note": "first"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directory left behind
+
+
+LLAMA_70B = {"vocab": 128256, "hidden": 8192, "intermediate": 28672, "layers": 80, "kv": 1024}
+
+
+def llama_70b_shapes() -> dict[str, tuple[int, ...]]:
+    h, i, v = LLAMA_70B["hidden"], LLAMA_70B["intermediate"], LLAMA_70B["vocab"]
+    layer = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (LLAMA_70B["kv"], h),
+             "self_attn.v_proj.weight": (LLAMA_70B["kv"], h), "self_attn.o_proj.weight": (h, h),
+             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for n in range(LLAMA_70B["layers"]):
+        shapes |= {f"model.layers.{n}.{name}": shape for name, shape in layer.items()}
+    return shapes | {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+
+
+def test_the_index_of_a_70b_model_saved_by_4096_ranks_is_far_below_the_limit(tmp_path: Path) -> None:
+    shapes = llama_70b_shapes()
+    assert len(shapes) == 723 and sum(math.prod(s) for s in shapes.values()) > 70e9
+    data = simulated_index(shapes, 4096)
+    assert len(data) < MAX_JSON_BYTES / 100, len(data)  # about 2 MiB against 256 MiB
+    (tmp_path / INDEX_FILE).write_bytes(data)
+    index = read_index(tmp_path)  # opens nothing but the index
+    assert len(index["tensors"]) == 4 * 723 and len(index["shard_files"]) == 4096

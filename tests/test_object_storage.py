@@ -1,0 +1,334 @@
+"""Checkpoints on object storage: saves and loads through fsspec URLs, over the real S3 protocol (moto's server on
+127.0.0.1, ``tests/s3_server.py``) and ``memory://``. See [Note: committing to object storage]."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_shard.checkpoint import load_checkpoint, save_checkpoint
+from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.storage import RemoteDirectory
+from lightning_shard.engine import shard_model
+from lightning_shard.testing import run_on_ranks
+from tests.checkpoint_fits import fit, global_losses, module_full_state
+from tests.models import GPTBlock, TinyGPT, make_dataset
+from tests.s3_server import S3Server, running_s3_server
+
+BUCKET = "ckpts"
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with running_s3_server() as server:
+        fs = _s3fs(server.env)
+        fs.mkdir(BUCKET)
+        yield server
+
+
+def _options(env: dict[str, str], tag: str | None = None) -> dict[str, Any]:
+    """s3fs options reaching the test server; ``tag`` marks this client's requests for the server's counts."""
+    options: dict[str, Any] = {
+        "key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"], "skip_instance_cache": True,
+        "client_kwargs": {"endpoint_url": env["AWS_ENDPOINT_URL"]},
+    }  # fmt: skip
+    if tag is not None:
+        options["config_kwargs"] = {"user_agent_extra": f"tag/{tag}"}
+    return options
+
+
+def _s3fs(env: dict[str, str]) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(**_options(env))
+
+
+def _objects(env: dict[str, str], prefix: str) -> list[str]:
+    fs = _s3fs(env)
+    try:
+        return sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/{prefix}", refresh=True))
+    except FileNotFoundError:
+        return []
+
+
+def _use_server(env: dict[str, str]) -> None:
+    """In a rank worker: reach the server through the usual environment variables (as a job would)."""
+    os.environ.update(env)
+
+
+def _model(seed: int, width: int = 16) -> tuple[TinyGPT, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyGPT(d=width)
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model: TinyGPT, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    x, y = make_dataset("gpt")[rank * 3 : rank * 3 + 3]
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def train_and_save(
+    rank: int, world_size: int, url: str, options: dict[str, Any] | None, steps: int = 1, width: int = 16
+) -> dict:
+    model, optimizer = _model(0, width)
+    for _ in range(steps):
+        _step(model, optimizer, rank)
+    save_checkpoint(url, model, [optimizer], {"step": steps}, storage_options=options)
+    return module_full_state(model, [optimizer])
+
+
+def load_and_report(rank: int, world_size: int, url: str, options: dict[str, Any] | None) -> dict:
+    model, optimizer = _model(1)  # other weights: everything must come from the checkpoint
+    values, result = load_checkpoint(url, model, [optimizer], storage_options=options)
+    return {"values": values, "missing": result.missing_keys, "state": module_full_state(model, [optimizer])}
+
+
+def _assert_same_state(loaded: dict, saved: dict) -> None:
+    for part in ("params", "optimizer"):
+        for name, t in saved[part].items():
+            torch.testing.assert_close(loaded[part][name], t, rtol=0, atol=0, msg=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# memory:// (one process)
+# --------------------------------------------------------------------------------------------------
+
+
+def memory_round_trip(rank: int, world_size: int, url: str, cwd: str) -> dict:
+    os.chdir(cwd)
+    saved = train_and_save(rank, world_size, url, None)
+    names = RemoteDirectory(url).names()
+    loaded = load_and_report(rank, world_size, url, None)
+    return {"saved": saved, "loaded": loaded, "names": names}
+
+
+def test_a_memory_url_saves_and_loads_through_fsspec_and_writes_nothing_local(tmp_path: Path) -> None:
+    (r,) = run_on_ranks(memory_round_trip, 1, "memory://runs/job/ck", str(tmp_path))
+    assert "index.json" in r["names"] and len(r["names"]) == 4  # index, one shard, the trainer state's two files
+    assert all(n == "index.json" or n.split(".", 1)[0].isalnum() for n in r["names"])  # "<save-id>.<file>"
+    assert r["loaded"]["values"] == {"step": 1} and r["loaded"]["missing"] == []
+    _assert_same_state(r["loaded"]["state"], r["saved"])
+    assert list(tmp_path.iterdir()) == []  # no directory named "memory:"
+
+
+def save_to_missing_protocol(rank: int, world_size: int, url: str, cwd: str) -> str:
+    os.chdir(cwd)
+    model, optimizer = _model(0)
+    try:
+        save_checkpoint(url, model, [optimizer])
+    except CheckpointError as err:
+        return str(err)
+    return ""
+
+
+def test_a_protocol_whose_package_is_missing_is_refused_naming_it_and_nothing_is_written(tmp_path: Path) -> None:
+    for message in run_on_ranks(save_to_missing_protocol, 2, "gs://bucket/run/ck", str(tmp_path)):
+        assert "gs://" in message and "gcsfs" in message
+    assert list(tmp_path.iterdir()) == []  # no "gs:" directory
+
+
+# --------------------------------------------------------------------------------------------------
+# The S3 protocol
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_saved_on_2_ranks_to_s3_loads_on_3(s3: S3Server, tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{BUCKET}/engine/ck"
+    saved = run_on_ranks(train_and_save, 2, url, _options(s3.env))[0]
+    names = _objects(s3.env, "engine/ck")
+    assert "index.json" in names and sum(n.endswith(".safetensors") for n in names) == 3  # 2 shards + trainer state
+    for r in run_on_ranks(load_and_report, 3, url, _options(s3.env)):
+        assert r["values"] == {"step": 1}
+        _assert_same_state(r["state"], saved)
+    assert not (tmp_path / "s3:").exists()
+
+
+def save_with_a_failure(rank: int, world_size: int, url: str, env: dict[str, str], where: str) -> str:
+    """A save whose upload fails: on rank 1's data file (``"data"``), or at the commit, once every data file is
+    uploaded (``"index"``: a save killed just before its index)."""
+    from lightning_shard.checkpoint import storage
+
+    _use_server(env)
+    put_file, write_bytes = storage.RemoteDirectory.put_file, storage.RemoteDirectory.write_bytes
+
+    def failing_put(self: Any, local: Path, name: str) -> None:
+        if where == "data" and rank == 1:
+            raise OSError("connection reset during upload")
+        put_file(self, local, name)
+
+    def failing_write(self: Any, name: str, data: bytes) -> None:
+        if where == "index":
+            raise OSError("killed before the commit")
+        write_bytes(self, name, data)
+
+    storage.RemoteDirectory.put_file = failing_put  # type: ignore[method-assign]
+    storage.RemoteDirectory.write_bytes = failing_write  # type: ignore[method-assign]
+    try:
+        train_and_save(rank, world_size, url, _options(env), steps=2)
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        storage.RemoteDirectory.put_file, storage.RemoteDirectory.write_bytes = put_file, write_bytes
+    return ""
+
+
+@pytest.mark.parametrize("where", ["data", "index"])
+def test_a_save_that_fails_mid_upload_leaves_the_previous_checkpoint_loadable(s3: S3Server, where: str) -> None:
+    url = f"s3://{BUCKET}/partial-{where}/ck"
+    first = run_on_ranks(train_and_save, 2, url, _options(s3.env))[0]
+    before = _objects(s3.env, f"partial-{where}/ck")
+    for message in run_on_ranks(save_with_a_failure, 2, url, s3.env, where):
+        assert "connection reset" in message or "killed before the commit" in message
+    after = _objects(s3.env, f"partial-{where}/ck")
+    assert set(before) <= set(after)  # nothing of the committed checkpoint was overwritten or removed
+    if where == "index":
+        assert len(after) > len(before)  # the dead save's data files are there, named by no index
+    for r in run_on_ranks(load_and_report, 2, url, _options(s3.env)):
+        assert r["values"] == {"step": 1}
+        _assert_same_state(r["state"], first)
+    second = run_on_ranks(train_and_save, 2, url, _options(s3.env), 3)[0]  # the next save cleans up
+    assert len(_objects(s3.env, f"partial-{where}/ck")) == len(before)
+    for r in run_on_ranks(load_and_report, 2, url, _options(s3.env)):
+        assert r["values"] == {"step": 3}
+        _assert_same_state(r["state"], second)
+
+
+def load_uncommitted(rank: int, world_size: int, url: str, env: dict[str, str]) -> str:
+    try:
+        load_and_report(rank, world_size, url, _options(env))
+    except CheckpointError as err:
+        return str(err)
+    return ""
+
+
+def test_a_directory_without_its_index_is_ignored_saying_the_save_did_not_complete(s3: S3Server) -> None:
+    url = f"s3://{BUCKET}/uncommitted/ck"
+    run_on_ranks(save_with_a_failure, 2, url, s3.env, "index")
+    assert _objects(s3.env, "uncommitted/ck")  # data files uploaded, no index
+    for message in run_on_ranks(load_uncommitted, 2, url, s3.env):
+        assert "the save there did not complete" in message and "no index.json" in message
+
+
+def load_tagged(rank: int, world_size: int, url: str, env: dict[str, str]) -> int:
+    model, optimizer = _model(1, width=128)
+    load_checkpoint(url, model, [optimizer], storage_options=_options(env, f"rank-{rank}"))
+    return 0
+
+
+def test_a_sharded_load_downloads_about_each_ranks_share(s3: S3Server) -> None:
+    url = f"s3://{BUCKET}/bytes/ck"
+    run_on_ranks(train_and_save, 2, url, _options(s3.env), 1, 128)  # 4.8 MB: the index and headers are ~1% of it
+    sizes = {p.rsplit("/", 1)[1]: size for p, size in _s3fs(s3.env).du(f"{BUCKET}/bytes/ck", total=False).items()}
+    share = sum(sizes.values()) / 2
+    s3.reset_counts()
+    run_on_ranks(load_tagged, 2, url, s3.env)
+    counts = s3.counts()
+    for rank in range(2):
+        downloaded = counts[f"rank-{rank}"]["bytes"]
+        assert 0 < downloaded <= 1.2 * share, (rank, downloaded, share, sizes)
+        print(f"rank {rank}: downloaded {downloaded} bytes; its share {share:.0f} bytes ({downloaded / share:.2f}x)")
+
+
+def fit_on_s3(rank: int, world_size: int, env: dict[str, str], url: str, epochs: int, resume: str | None,
+              trainer_kwargs: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    _use_server(env)
+    return fit(rank, world_size, url, epochs, resume, trainer_kwargs=trainer_kwargs)
+
+
+def test_trainer_resume_from_s3_on_3_ranks_matches_the_uninterrupted_run(
+    s3: S3Server, tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    uninterrupted = run_on_ranks(fit, 2, str(tmp_path / "local"), 2)
+    run_on_ranks(fit_on_s3, 2, s3.env, f"s3://{BUCKET}/fit", 1, None)
+    assert "index.json" in _objects(s3.env, "fit/last.ckpt")
+    resumed = run_on_ranks(fit_on_s3, 3, s3.env, f"s3://{BUCKET}/fit-resumed", 2, f"s3://{BUCKET}/fit/last.ckpt")
+    torch.testing.assert_close(global_losses(resumed), global_losses(uninterrupted)[8:], rtol=0, atol=1e-5)
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "s3").exists()
+
+
+def test_background_saves_upload_to_s3(s3: S3Server, tmp_path: Path, monkeypatch: Any) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    monkeypatch.chdir(tmp_path)
+    results = run_on_ranks(fit_on_s3, 2, s3.env, f"s3://{BUCKET}/async", 1, None,
+                           {"plugins": [AsyncCheckpointIO()]})  # fmt: skip
+    assert "index.json" in _objects(s3.env, "async/last.ckpt")
+    for r in run_on_ranks(load_trainer_end, 2, s3.env, f"s3://{BUCKET}/async/last.ckpt"):
+        for name, t in results[0]["end"]["params"].items():
+            torch.testing.assert_close(r[name], t, msg=name)
+    assert not (tmp_path / "s3:").exists()
+
+
+def load_trainer_end(rank: int, world_size: int, env: dict[str, str], url: str) -> dict[str, torch.Tensor]:
+    _use_server(env)
+    torch.manual_seed(1)
+    wrapper = torch.nn.Module()  # keys as the LightningModule has them: "model.<name>"
+    wrapper.model = TinyGPT()
+    shard_model(wrapper, auto_wrap_policy={GPTBlock})
+    load_checkpoint(url, wrapper, [])
+    return module_full_state(wrapper, [])["params"]
+
+
+def top_k_on_s3(rank: int, world_size: int, env: dict[str, str], url: str) -> list[str]:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_shard import ShardStrategy
+    from tests.checkpoint_fits import Snapshots
+
+    _use_server(env)
+    L.seed_everything(0)
+    callback = ModelCheckpoint(dirpath=url, save_top_k=1, save_last=True, monitor="step", mode="max",
+                               every_n_train_steps=2)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={"GPTBlock"}), max_steps=4,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(Snapshots("gpt"), train_dataloaders=DataLoader(make_dataset("gpt"), batch_size=6))
+    dist.barrier()
+    return [callback.best_model_path, callback.last_model_path]
+
+
+def test_model_checkpoint_on_s3_keeps_the_top_k_and_last(s3: S3Server, tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    best, last = run_on_ranks(top_k_on_s3, 2, s3.env, f"s3://{BUCKET}/topk")[0]
+    fs = _s3fs(s3.env)
+    dirs = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/topk", refresh=True))
+    assert dirs == sorted({best.rsplit("/", 1)[1], last.rsplit("/", 1)[1]})  # step 2's checkpoint was deleted
+    assert "step=4" in best
+    for name in dirs:
+        assert "index.json" in _objects(s3.env, f"topk/{name}")
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_the_cli_inspects_and_consolidates_a_checkpoint_on_s3(
+    s3: S3Server, tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    from safetensors.torch import load_file
+
+    from lightning_shard.cli import main
+
+    url = f"s3://{BUCKET}/cli/ck"
+    saved = run_on_ranks(train_and_save, 2, url, _options(s3.env))[0]
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["inspect", url]) == 0
+    assert "verified: OK" in capsys.readouterr().out
+    assert main(["consolidate", url, str(tmp_path / "model.safetensors")]) == 0
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert set(weights) and set(weights) <= set(saved["params"])  # a tied weight is stored once
+    for name, t in weights.items():
+        torch.testing.assert_close(t, saved["params"][name], rtol=0, atol=0, msg=name)
