@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_shard.checkpoint.background import BackgroundSaver, refuse_full_layout_in_background
 from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
 from lightning_shard.checkpoint.state_dict import model_state_dict, optimizer_state_dict
-from lightning_shard.checkpoint.storage import location
+from lightning_shard.checkpoint.storage import is_url, location
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
@@ -399,6 +399,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         """Write a checkpoint directory at ``filepath``: sharded safetensors (``state_dict_type="sharded"``) or
         one ``model.safetensors`` (``"full"``), plus JSON, atomically. ``filepath`` may be a URL (``s3://...``, any
         fsspec protocol), ``storage_options`` a dict for its file system. Collective: every rank must call it."""
+        if storage_options is not None and not is_url(filepath):  # refused alike on every rank, before any collective
+            location(filepath, storage_options)
         assert self.lightning_module is not None
         path = location(self.broadcast(os.fspath(filepath)), storage_options)  # the same on every rank, errors too
         layout = self.options.state_dict_type
