@@ -429,6 +429,26 @@ def test_load_checkpoint_reads_a_ddp_ckpt_each_rank_its_rows(tmp_path: Path) -> 
         assert any(shape and stop - start < shape[0] for shape, start, stop in r["reads"])
 
 
+def test_a_ckpt_written_with_weight_averaging_resumes_the_trained_weights_not_the_average(tmp_path: Path) -> None:
+    """Lightning's WeightAveraging saves the average under "state_dict" and the trained weights under
+    "current_model_state": the trained ones (those the optimizer state belongs to) are loaded, with a warning that the
+    average is not carried over."""
+    path = tmp_path / "ddp.ckpt"
+    expected, after_next_step = plain_steps_saved_as_ddp_would(path)
+    checkpoint = torch.load(path)
+    trained = checkpoint["state_dict"]
+    checkpoint["state_dict"] = {k: v + 1.0 for k, v in trained.items()}  # stands for the averaged weights
+    checkpoint["current_model_state"] = trained
+    checkpoint["averaging_state"] = {"n_averaged": torch.tensor(1)}
+    torch.save(checkpoint, path)
+    for r in run_on_ranks(load_into_shards, 2, str(path)):
+        assert r["values"] == {"epoch": 3} and r["missing"] == []
+        for name, t in expected["params"].items():
+            torch.testing.assert_close(r["state"]["params"][name], t, msg=name)
+        for name, t in after_next_step.items():
+            torch.testing.assert_close(r["next"][name], t, msg=name)
+
+
 def fabric_save_under_ddp(rank: int, world_size: int, path: str) -> dict[str, Any]:
     from lightning.fabric.strategies import DDPStrategy
 

@@ -9,6 +9,7 @@ else, and no rank ever holds the whole model or optimizer state.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from lightning_shard.checkpoint.safe_pickle import load_restricted
 
 TRAINER_MODEL = "state_dict"  # the Trainer's checkpoint dict: the LightningModule's state_dict
 TRAINER_OPTIMIZERS = "optimizer_states"  # ... and a list of optimizer.state_dict()s
+# Lightning's WeightAveraging writes the averaged weights under "state_dict" and the weights as trained here.
+WEIGHT_AVERAGING_CURRENT = "current_model_state"
+WEIGHT_AVERAGING_STATE = "averaging_state"
 
 
 def read_lightning_ckpt(
@@ -39,7 +43,7 @@ def read_lightning_ckpt(
         model_entry = values.pop(module_key)
         optimizer_entries = [values.pop(k) for k in optimizer_keys if k in values]
     elif TRAINER_MODEL in values:
-        model_entry = values.pop(TRAINER_MODEL)
+        model_entry = _trained_weights(values, what)
         optimizer_entries = list(values.pop(TRAINER_OPTIMIZERS, None) or [])
     else:
         wanted = f"{module_key!r} or {TRAINER_MODEL!r}" if module_key else repr(TRAINER_MODEL)
@@ -49,6 +53,24 @@ def read_lightning_ckpt(
     model, ties = _model_tensors(model_entry, what)
     optimizers = [_optimizer(state, f"{what}, optimizer {i}") for i, state in enumerate(optimizer_entries)]
     return ForeignCheckpoint(path, "the Lightning checkpoint file", model, optimizers, values, ties)
+
+
+def _trained_weights(values: dict[str, Any], what: str) -> Any:
+    """The model as trained, taken out of ``values``. A checkpoint written with Lightning's ``WeightAveraging``
+    holds the averaged weights under ``"state_dict"`` and the trained ones under ``"current_model_state"``: the
+    trained ones resume (the optimizer state belongs to them), and the average is not carried over, with a warning
+    (the callback's average starts again from the resumed weights)."""
+    if WEIGHT_AVERAGING_CURRENT not in values:
+        return values.pop(TRAINER_MODEL)
+    values.pop(TRAINER_MODEL)
+    values.pop(WEIGHT_AVERAGING_STATE, None)
+    warnings.warn(
+        f"{what} was written with Lightning's WeightAveraging: the weights as trained (current_model_state) are"
+        " loaded, and its averaged weights are not carried over (a WeightAveraging callback starts its average"
+        " again from the loaded weights).",
+        stacklevel=2,
+    )
+    return values.pop(WEIGHT_AVERAGING_CURRENT)
 
 
 def _model_tensors(state_dict: Any, what: str) -> tuple[dict[str, ForeignTensor], dict[str, str]]:
