@@ -20,6 +20,7 @@ from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.index import iter_index_tensors, model_ties
 from lightning_shard.checkpoint.load import load_trainer_state
 from lightning_shard.checkpoint.reader import read_tensor
+from lightning_shard.checkpoint.storage import local_only
 
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
 MapLocation = str | torch.device | dict[str, str] | Callable[[Any, str], Any] | None
@@ -47,7 +48,7 @@ def load_from_checkpoint(
     ``weights``: ``"current"`` (the model as trained) or ``"averaged"`` (the average a ``WeightAveraging`` callback
     kept during the fit; refused when the checkpoint holds none).
     """
-    directory = Path(checkpoint)
+    directory = local_only(checkpoint, "load_from_checkpoint()")
     state, index = load_trainer_state(directory)
     device = _device(map_location)
     hparams = dict(state.get("hyper_parameters") or {})

@@ -332,3 +332,24 @@ def test_the_cli_inspects_and_consolidates_a_checkpoint_on_s3(
     assert set(weights) and set(weights) <= set(saved["params"])  # a tied weight is stored once
     for name, t in weights.items():
         torch.testing.assert_close(t, saved["params"][name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("tool", ["export_hf", "export_dcp", "convert", "load_from_checkpoint"])
+def test_tools_that_read_local_files_refuse_a_url_naming_it(tool: str, tmp_path: Path, monkeypatch: Any) -> None:
+    """A URL given to a tool that works on local files is refused with a message; it is never taken for a local path
+    (``s3://bucket/ck`` as the relative directory ``s3:/bucket/ck``), and nothing is written."""
+    from lightning_shard import export_hf, load_from_checkpoint
+    from lightning_shard.checkpoint.convert import convert
+    from lightning_shard.checkpoint.dcp_export import export_dcp
+    from tests.models import LitModel
+
+    monkeypatch.chdir(tmp_path)
+    calls = {
+        "export_hf": lambda: export_hf("s3://bucket/ck", tmp_path / "out"),
+        "export_dcp": lambda: export_dcp("s3://bucket/ck", tmp_path / "out"),
+        "convert": lambda: convert("s3://bucket/ddp.ckpt", tmp_path / "out"),
+        "load_from_checkpoint": lambda: load_from_checkpoint(LitModel, "s3://bucket/ck"),
+    }
+    with pytest.raises(CheckpointError, match=r"works on local paths, and 's3://bucket/.*' is a URL"):
+        calls[tool]()
+    assert list(tmp_path.iterdir()) == []

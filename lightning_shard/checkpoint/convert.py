@@ -44,6 +44,7 @@ from lightning_shard.checkpoint.save import (
     write_trainer_state,
 )
 from lightning_shard.checkpoint.sources import CheckpointKind, detect, read_foreign
+from lightning_shard.checkpoint.storage import local_only
 from lightning_shard.checkpoint.trainer_state import to_json_tree
 from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
 
@@ -74,7 +75,7 @@ def convert(
     name the parameters of a position-keyed optimizer state and is built under ``torch.device("meta")``. A
     non-empty existing ``output`` is refused unless ``overwrite``, and even then only a checkpoint directory is
     replaced."""
-    src, out = Path(source), Path(output)
+    src, out = local_only(source, "convert()"), local_only(output, "convert()")
     kind = detect(src)
     if kind is CheckpointKind.SHARD_DIRECTORY:
         raise CheckpointError(f"{src} is already a lightning_shard checkpoint directory; there is nothing to convert.")

@@ -33,6 +33,7 @@ from lightning_shard.checkpoint.layout import StoredTensor, require_complete
 from lightning_shard.checkpoint.load import load_trainer_state
 from lightning_shard.checkpoint.reader import FileHandles, read_tensor
 from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS
+from lightning_shard.checkpoint.storage import local_only
 from lightning_shard.checkpoint.trainer_state import from_json_tree
 
 MODEL_KEY = "state_dict"  # ModelParallelStrategy's key of the model; optimizers are "optimizer_<i>"
@@ -52,7 +53,7 @@ class DcpExportResult:
 def export_dcp(checkpoint: str | Path, output_dir: str | Path, overwrite: bool = False) -> DcpExportResult:
     """Write the checkpoint directory ``checkpoint`` as a DCP directory at ``output_dir`` (see the module docstring).
     A non-empty existing ``output_dir`` is refused unless ``overwrite``."""
-    directory, out = Path(checkpoint), Path(output_dir)
+    directory, out = local_only(checkpoint, "export_dcp()"), local_only(output_dir, "export_dcp()")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise CheckpointError(f"Export destination {out} exists and is not empty; pass overwrite=True (--overwrite).")
     values, index = load_trainer_state(directory)

@@ -27,6 +27,7 @@ from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, sub
 from lightning_shard.checkpoint.index import iter_index_tensors, read_index
 from lightning_shard.checkpoint.layout import StoredTensor, check_piece, require_complete
 from lightning_shard.checkpoint.reader import FileHandles, read_rows
+from lightning_shard.checkpoint.storage import local_only
 from lightning_shard.checkpoint.writer import SafetensorsStreamWriter
 
 _BLOCK_BYTES = 16 * 2**20  # rows are read and written in blocks of at most this size
@@ -68,7 +69,8 @@ def export_hf(
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    directory, out = Path(checkpoint), Path(output_dir)
+    directory = local_only(checkpoint, "export_hf()")
+    out = local_only(output_dir, "export_hf()")
     prefix = submodule_prefix(prefix)
     target_dtype = _export_dtype(dtype)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

@@ -36,7 +36,7 @@ from lightning_shard.checkpoint.format import (
 from lightning_shard.checkpoint.index import iter_index_tensors, model_ties, read_index
 from lightning_shard.checkpoint.layout import StoredTensor, Whole, require_complete
 from lightning_shard.checkpoint.reader import RowReads
-from lightning_shard.checkpoint.storage import Location
+from lightning_shard.checkpoint.storage import Location, local_only
 from lightning_shard.checkpoint.trainer_state import from_json_tree
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
@@ -265,7 +265,7 @@ def load_safetensors_into(
             "load_safetensors_into() needs the model ShardStrategy has sharded (the LightningModule after the"
             " Trainer set it up, e.g. from on_fit_start); this module is not sharded."
         )
-    directory, tensors = agree(lambda: _safetensors_tensors(Path(path)))
+    directory, tensors = agree(lambda: _safetensors_tensors(local_only(path, "load_safetensors_into()")))
     prefix = submodule_prefix(prefix)
     index = {"tensors": {MODEL_PREFIX + prefix + (rename(key) if rename else key): e for key, e in tensors.items()}}
     return load_model(engine, module, directory, index, strict=strict)

@@ -63,6 +63,17 @@ def location(path: str | os.PathLike[str], storage_options: dict[str, Any] | Non
     return local_path(path)
 
 
+def local_only(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a local path for ``what``, which reads or writes local files only: a URL is refused with a
+    ``CheckpointError`` naming it (never taken for a local path such as ``s3:/bucket/...``)."""
+    if is_url(path):
+        raise CheckpointError(
+            f"{what} works on local paths, and {os.fspath(path)!r} is a URL. Copy the checkpoint to a local"
+            " directory first (`lightning-shard consolidate URL OUT` reads URLs), or load it through a strategy."
+        )
+    return local_path(path)
+
+
 def filesystem_for(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """The fsspec file system for ``url`` and the path inside it.
 
