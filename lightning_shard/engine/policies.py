@@ -13,6 +13,7 @@ from typing import Literal, TypeVar
 
 from torch import nn
 
+from lightning_shard.engine.diagnostics import warn_rank0
 from lightning_shard.engine.fsdp_policies import FSDPWrapPolicy, is_fsdp_policy
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
@@ -274,11 +275,35 @@ def _units_among(root: nn.Module, chosen: set[int]) -> list[tuple[str, nn.Module
     without calling; neither would ever be gathered, so their parameters stay with the unit around them."""
     readers = [m for m in root.modules() if isinstance(m, READS_CHILDREN_WEIGHTS)]
     unreadable = {id(inner) for m in readers for inner in m.modules() if inner is not m}
-    return [
+    units = [
         (name, m)
         for name, m in root.named_modules()
         if id(m) in chosen and is_callable_module(m) and id(m) not in unreadable
     ]
+    kept = {id(m) for _, m in units}
+    dropped = [name for name, m in root.named_modules() if id(m) in chosen and id(m) not in kept and m is not root]
+    owning = [name for name in dropped if _owns_parameters_outside(root.get_submodule(name), kept)]
+    if owning:
+        warn_rank0(
+            f"auto_wrap_policy chose {', '.join(owning)}, which cannot be a unit here (a container without forward(),"
+            " or a submodule that nn.MultiheadAttention reads without calling it: it would never be gathered). Their"
+            " parameters stay with the unit around them. Choose the modules inside a container, or the"
+            " MultiheadAttention itself, to make them units."
+        )
+    return units
+
+
+def _owns_parameters_outside(module: nn.Module, units: set[int]) -> bool:
+    """Whether ``module`` holds parameters that none of the ``units`` below it owns."""
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if current is not module and id(current) in units:
+            continue
+        if any(True for _ in current.parameters(recurse=False)):
+            return True
+        stack.extend(current.children())
+    return False
 
 
 def _class_label(c: type | str) -> str:

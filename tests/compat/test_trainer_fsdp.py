@@ -10,6 +10,7 @@ import json
 import os
 import re
 import typing
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -174,19 +175,25 @@ def test_fsdp_policies_choose_what_fsdp_wraps_that_can_be_gathered() -> None:
     """test_strategy_full_state_dict / test_checkpoint_multi_gpus (the policies, without processes): PyTorch's
     ``always_wrap_policy``, ``transformer_auto_wrap_policy``, ``lambda_auto_wrap_policy`` and ``CustomPolicy`` choose
     FSDP's modules, except a container (never called) and ``MultiheadAttention.out_proj`` (read without being called),
-    whose parameters stay with the unit around them; a ``CustomPolicy`` that gives a module settings of its own is
-    refused."""
+    whose parameters stay with the unit around them, with a warning naming them when they hold parameters no unit
+    below them owns; a ``CustomPolicy`` that gives a module settings of its own is refused."""
     from torch.distributed.fsdp.wrap import (
         CustomPolicy,
+        ModuleWrapPolicy,
         always_wrap_policy,
         lambda_auto_wrap_policy,
         transformer_auto_wrap_policy,
     )
 
     everything = ["blocks.0", "blocks.0.0", "blocks.0.1", "blocks.1", "blocks.1.0", "blocks.1.1", "attention"]
-    assert _units_chosen(always_wrap_policy, _Blocks()) == everything
+    with pytest.warns(UserWarning, match=r"auto_wrap_policy chose attention\.out_proj, which cannot be a unit"):
+        assert _units_chosen(always_wrap_policy, _Blocks()) == everything  # the ModuleList owns nothing: no warning
+    with pytest.warns(UserWarning, match=r"auto_wrap_policy chose blocks, which cannot be a unit"):
+        assert _units_chosen(ModuleWrapPolicy({nn.ModuleList}), _Blocks()) == []
     by_class = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Sequential})
-    assert _units_chosen(by_class, _Blocks()) == ["blocks.0", "blocks.1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what it chose, it got: no warning
+        assert _units_chosen(by_class, _Blocks()) == ["blocks.0", "blocks.1"]
     by_lambda = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.MultiheadAttention))
     assert _units_chosen(by_lambda, _Blocks()) == ["attention"]
     assert _units_chosen(CustomPolicy(lambda m: isinstance(m, nn.ReLU)), _Blocks()) == ["blocks.0.1", "blocks.1.1"]
