@@ -353,3 +353,47 @@ def test_tools_that_read_local_files_refuse_a_url_naming_it(tool: str, tmp_path:
     with pytest.raises(CheckpointError, match=r"works on local paths, and 's3://bucket/.*' is a URL"):
         calls[tool]()
     assert list(tmp_path.iterdir()) == []
+
+
+def save_resume_remove_with_strategy_options(rank: int, world_size: int, options: dict[str, Any], url: str) -> bool:
+    """A Trainer whose ShardStrategy carries the storage options, with no credentials or endpoint in the environment:
+    it saves to ``url``, a second fit resumes from it, and ``remove_checkpoint`` deletes it."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_shard import ShardStrategy
+    from tests.checkpoint_fits import Snapshots
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        os.environ.pop(name, None)  # a pooled worker may hold them from another test
+
+    def trainer(steps: int) -> L.Trainer:
+        strategy = ShardStrategy(auto_wrap_policy={"GPTBlock"}, storage_options=options)
+        return L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+
+    L.seed_everything(0)
+    first = trainer(2)
+    first.fit(Snapshots("gpt"), train_dataloaders=DataLoader(make_dataset("gpt"), batch_size=6))
+    first.save_checkpoint(url)
+    second = trainer(3)
+    second.fit(Snapshots("gpt"), train_dataloaders=DataLoader(make_dataset("gpt"), batch_size=6), ckpt_path=url)
+    resumed_at = second.global_step
+    second.strategy.remove_checkpoint(url)
+    dist.barrier()
+    return resumed_at == 3
+
+
+def test_the_strategys_storage_options_reach_saves_loads_and_removals(s3: S3Server) -> None:
+    url = f"s3://{BUCKET}/options/ck"
+    assert run_on_ranks(save_resume_remove_with_strategy_options, 2, _options(s3.env), url) == [True, True]
+    assert _objects(s3.env, "options/ck") == []  # removed through the same options
+
+
+def test_storage_options_must_be_a_dict() -> None:
+    from lightning_shard import ShardStrategy
+
+    with pytest.raises(TypeError, match="storage_options must be a dict of fsspec options or None, got str"):
+        ShardStrategy(storage_options="anon")  # type: ignore[arg-type]

@@ -63,6 +63,15 @@ def location(path: str | os.PathLike[str], storage_options: dict[str, Any] | Non
     return local_path(path)
 
 
+def checked_storage_options(storage_options: Any) -> dict[str, Any] | None:
+    """A strategy's ``storage_options``: ``None`` or a dict of fsspec options, used for every checkpoint URL it saves,
+    loads or removes (a ``save_checkpoint(..., storage_options=...)`` call gives its own)."""
+    if storage_options is not None and not isinstance(storage_options, dict):
+        kind = type(storage_options).__name__
+        raise TypeError(f"storage_options must be a dict of fsspec options or None, got {kind}.")
+    return storage_options
+
+
 def local_only(path: str | os.PathLike[str], what: str) -> Path:
     """``path`` as a local path for ``what``, which reads or writes local files only: a URL is refused with a
     ``CheckpointError`` naming it (never taken for a local path such as ``s3:/bucket/...``)."""

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint.background import BackgroundSaver, refuse_full_layout_in_background
 from lightning_shard.checkpoint.state_dict import model_state_dict, optimizer_state_dict
-from lightning_shard.checkpoint.storage import location
+from lightning_shard.checkpoint.storage import checked_storage_options, is_url, location
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.precision import translate_precision
@@ -61,7 +61,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     Takes the same sharding arguments as the Trainer's ``lightning_shard.ShardStrategy`` (``auto_wrap_policy``,
     ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy``,
     ``grad_sync``, ``state_dict_type``, ``cpu_offload``, ``broadcast_buffers``, ``process_group_backend``,
-    ``timeout``, ``param_init``, ``cpu_allocator``, and ``FSDPStrategy``'s ``use_orig_params``,
+    ``timeout``, ``param_init``, ``cpu_allocator``, ``storage_options``, and ``FSDPStrategy``'s ``use_orig_params``,
     ``limit_all_gathers``, ``sync_module_states``), with the same defaults and the same forms (PyTorch FSDP's
     ``ShardingStrategy``, ``CPUOffload``, ``MixedPrecision`` and wrap policies included); see that class for what
     each does.
@@ -101,6 +101,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
         cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
+        storage_options: dict[str, Any] | None = None,
         async_save: bool = False,
         use_orig_params: bool = True,
         limit_all_gathers: bool = True,
@@ -136,6 +137,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         if async_save:
             refuse_full_layout_in_background(self.options.state_dict_type, "async_save=True", "async_save=False")
         self._async_save = async_save
+        self._storage_options = checked_storage_options(storage_options)
         self._saver = BackgroundSaver()
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -347,7 +349,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
                 "fabric.save(..., filter=...) is not supported with ShardStrategy: checkpoints hold every parameter"
                 " (use lightning-shard consolidate and select keys afterwards)."
             )
-        target = location(self.broadcast(os.fspath(path)), storage_options)  # the same on every rank, errors too
+        url = self.broadcast(os.fspath(path))
+        target = location(url, storage_options or (self._storage_options if is_url(url) else None))
         if self._async_save:
             save_fabric_state(target, state, self.options.state_dict_type, self._saver)  # see [Note: background saves]
         else:
@@ -371,7 +374,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         Lightning ``.ckpt`` or a DCP directory of another strategy; a module alone (``fabric.load_raw``) also takes a
         plain ``.safetensors`` file. Returns what ``state`` did not ask for. Collective. Never runs a pickle."""
         self._saver.wait()  # a background save of this very path must have finished
-        directory = location(self.broadcast(os.fspath(path)))
+        url = self.broadcast(os.fspath(path))
+        directory = location(url, self._storage_options if is_url(url) else None)
         if isinstance(state, nn.Module):
             load_raw_into(directory, state, strict)
             return {}

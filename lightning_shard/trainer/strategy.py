@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_shard.checkpoint.background import BackgroundSaver, refuse_full_layout_in_background
 from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
 from lightning_shard.checkpoint.state_dict import model_state_dict, optimizer_state_dict
-from lightning_shard.checkpoint.storage import is_url, location
+from lightning_shard.checkpoint.storage import checked_storage_options, is_url, location
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
@@ -121,6 +121,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
             naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.
+        storage_options: fsspec options (a dict) for every checkpoint URL the strategy saves, loads or removes
+            (``s3://...``: endpoint, credentials); a ``save_checkpoint(..., storage_options=...)`` call may give its
+            own. Local paths take none. Default: the protocol's own configuration (environment variables).
         use_orig_params, limit_all_gathers, sync_module_states: taken for code written for ``FSDPStrategy``.
             ``True`` is what ShardStrategy always does (the optimizer sees each parameter's own shard; at most two
             units are gathered at once; the initial weights are broadcast from rank 0); ``False`` is refused.
@@ -149,6 +152,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
         cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
+        storage_options: dict[str, Any] | None = None,
         use_orig_params: bool = True,
         limit_all_gathers: bool = True,
         sync_module_states: bool = True,
@@ -180,6 +184,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
+        self._storage_options = checked_storage_options(storage_options)
         self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]
         self._mesh: ShardMesh | None = None
         self._engine: ShardedModule | None = None
@@ -402,7 +407,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         if storage_options is not None and not is_url(filepath):  # refused alike on every rank, before any collective
             location(filepath, storage_options)
         assert self.lightning_module is not None
-        path = location(self.broadcast(os.fspath(filepath)), storage_options)  # the same on every rank, errors too
+        path = location(self.broadcast(os.fspath(filepath)), storage_options or self._url_options(filepath))
         layout = self.options.state_dict_type
         args = (self.engine, self.lightning_module, self.optimizers, checkpoint, path, layout)
         if saves_in_background(self._checkpoint_io) and self._fitting():
@@ -410,6 +415,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         else:
             self._saver.wait()
             save_checkpoint_dir(*args)
+
+    def _url_options(self, path: _PATH) -> dict[str, Any] | None:
+        """The strategy's ``storage_options`` for ``path`` when it is a URL (a local path takes none)."""
+        return self._storage_options if is_url(path) else None
 
     def _fitting(self) -> bool:
         """Whether a fit is running (saves after it ended are synchronous: nothing would wait for them)."""
@@ -428,7 +437,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         """Read the trainer state of a checkpoint directory, a Lightning ``.ckpt`` or a DCP directory (model and
         optimizer tensors are read into the shards later, by ``load_model_state_dict`` and
         ``load_optimizer_state_dict``). Never runs a pickle: see [Note: no pickle runs]."""
-        return read_trainer_checkpoint(location(self.broadcast(os.fspath(checkpoint_path))))
+        path = self.broadcast(os.fspath(checkpoint_path))
+        return read_trainer_checkpoint(location(path, self._url_options(path)))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -445,7 +455,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         """Remove a checkpoint directory (ModelCheckpoint's ``save_top_k``)."""
         self._saver.wait()  # never remove a directory a background save is finishing
         if self.is_global_zero:
-            remove_checkpoint_dir(location(os.fspath(filepath)))
+            remove_checkpoint_dir(location(os.fspath(filepath), self._url_options(filepath)))
 
     # Reporting #
 
