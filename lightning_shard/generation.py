@@ -123,7 +123,7 @@ def generate(
             read from the model if it declares one (``model.block_size``; ``model.config.block_size``,
             ``n_positions`` or ``max_position_embeddings``), else the whole sequence is passed.
     """
-    engine = _sharded_engine(model)
+    engine = sharded_module_of(model)
     pace = _pace_known_before(engine)
     refusal: Exception | None = None
     try:
@@ -279,16 +279,6 @@ def _pace_known_before(engine: ShardedModule | None) -> Pace:
             " `if trainer.is_global_zero:`), or use rank0_only=False."
         )
     return Pace.IN_STEP
-
-
-def _sharded_engine(model: nn.Module) -> ShardedModule | None:
-    """The engine of ``model`` or of the module Fabric's set-up module wraps; ``None`` for a plain model."""
-    for candidate in (model, getattr(model, "_forward_module", None)):
-        if isinstance(candidate, nn.Module):
-            engine = sharded_module_of(candidate)
-            if engine is not None:
-                return engine
-    return None
 
 
 # Checks #

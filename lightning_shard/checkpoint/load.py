@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_shard.checkpoint.agreement import agree
 from lightning_shard.checkpoint.format import (
     INDEX_FILE,
+    MAX_JSON_BYTES,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     TRAINER_STATE_JSON,
@@ -39,15 +40,6 @@ from lightning_shard.checkpoint.reader import RowReads
 from lightning_shard.checkpoint.storage import Location, local_only
 from lightning_shard.checkpoint.trainer_state import from_json_tree
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
-
-
-@dataclass(frozen=True)
-class ShardedCheckpointSource:
-    """Stands for the model or optimizer tensors of a checkpoint directory in Lightning's checkpoint dict; the
-    strategy reads them from disk into the shards when Lightning asks it to load them."""
-
-    directory: Location
-    index: dict[str, Any] = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -312,8 +304,12 @@ def _safetensors_tensors(path: Path) -> tuple[Path, dict[str, StoredTensor]]:
 
 def _read_weight_map(path: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        with open(path, "rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes, which no index is")
+        weight_map = json.loads(data)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         raise CheckpointError(f"{path} is not a safetensors index with a 'weight_map' ({err}).") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path}: 'weight_map' must map each tensor name to a file name.")

@@ -75,20 +75,26 @@ def initialize_parameterless_buffers(modules: Iterable[tuple[str, nn.Module]], d
     its ``reset_parameters()`` to fill them (see [Note: meta-device buffers])."""
     with torch.no_grad():
         for module_name, module in modules:
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.is_meta:
-                    module._buffers[name] = torch.empty_like(buf, device=device)
-            init = initializer(module)
-            assert init is not None  # check_meta_buffers passes only modules that have one
-            init()
-            prefix = f"{module_name}." if module_name else ""
-            still = [prefix + name for name, buf in module._buffers.items() if buf is not None and buf.is_meta]
-            if still:
-                raise TypeError(
-                    f"Buffers {', '.join(still)} of {type(module).__name__} are still on the meta device after its"
-                    " reset_parameters(): fill them there in place (self.buf.copy_(...)) or assign tensors built"
-                    " on a real device."
-                )
+            run_initializer(module, device, module_name)
+
+
+def run_initializer(module: nn.Module, device: torch.device, module_name: str = "") -> None:
+    """Give ``module``'s meta buffers storage on ``device`` and run its ``reset_parameters()`` (which must exist);
+    a buffer it leaves on the meta device is refused, naming it."""
+    for name, buf in module._buffers.items():
+        if buf is not None and buf.is_meta:
+            module._buffers[name] = torch.empty_like(buf, device=device)
+    init = initializer(module)
+    assert init is not None  # callers pass only modules that have one
+    init()
+    prefix = f"{module_name}." if module_name else ""
+    still = [prefix + name for name, buf in module._buffers.items() if buf is not None and buf.is_meta]
+    if still:
+        raise TypeError(
+            f"Buffers {', '.join(still)} of {type(module).__name__} are still on the meta device after its"
+            " reset_parameters(): fill them there in place (self.buf.copy_(...)) or assign tensors built"
+            " on a real device."
+        )
 
 
 def materialize_and_sync_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:

@@ -18,7 +18,7 @@ FSDP asks a policy function twice per module, walking the tree depth first from 
 ``policy(module=m, recurse=True, nonwrapped_numel=n)``, with ``n`` all of ``m``'s parameters, says whether to
 look inside ``m`` at all; on the way up ``policy(module=m, recurse=False, nonwrapped_numel=r)``, with ``r`` what
 the units chosen inside ``m`` left over, says whether ``m`` becomes a unit. The root is a unit whatever the
-policy says and is only asked the first question. ``units_fsdp_would_wrap`` asks the same questions with the
+policy says and is only asked the first question. ``_visit`` asks the same questions with the
 same counts, so a size threshold, ``force_leaf_modules`` and ``exclude_wrap_modules`` decide exactly as under
 FSDP. A policy object answers through its own ``_run_policy``, as FSDP calls it. Modules marked as units by
 hand count as chosen (their parameters are taken) and are looked inside all the same.

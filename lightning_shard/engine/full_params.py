@@ -115,10 +115,9 @@ def _check_flags(**flags: Any) -> None:
 
 def _engine_of(module: nn.Module) -> ShardedModule:
     """The engine of ``module``, or of the module a wrapper holds as ``_forward_module`` (Fabric's set-up module)."""
-    for candidate in (module, getattr(module, "_forward_module", None)):
-        engine = sharded_module_of(candidate) if isinstance(candidate, nn.Module) else None
-        if engine is not None:
-            return engine
+    engine = sharded_module_of(module) if isinstance(module, nn.Module) else None
+    if engine is not None:
+        return engine
     raise TypeError(
         f"summon_full_params() needs the sharded model, not a {type(module).__name__}: the module given to"
         " ShardStrategy (the LightningModule), the one fabric.setup_module() returned, or the one given to"

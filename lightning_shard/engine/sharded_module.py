@@ -293,8 +293,12 @@ class ShardedModule:
 
 
 def sharded_module_of(module: nn.Module) -> ShardedModule | None:
-    """The engine that sharded ``module`` (as the root), or ``None`` if it was not sharded."""
-    return getattr(module, _ENGINE_ATTR, None)
+    """The engine that sharded ``module`` (as the root), or of the module a wrapper holds as ``_forward_module``
+    (Fabric's set-up module); ``None`` if it was not sharded."""
+    engine = getattr(module, _ENGINE_ATTR, None)
+    if engine is None and isinstance(getattr(module, "_forward_module", None), nn.Module):
+        engine = getattr(module._forward_module, _ENGINE_ATTR, None)
+    return engine
 
 
 def shard_module(

@@ -65,10 +65,10 @@ from torch.utils._pytree import tree_flatten
 from lightning_shard.engine import collectives
 from lightning_shard.engine.autograd_nodes import ReachedByBackward, RegisterPostBackward
 from lightning_shard.engine.buffer_pool import BufferPool
+from lightning_shard.engine.buffers import run_initializer
 from lightning_shard.engine.initial_values import values_of_rank0
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.param_shard import ShardedParam
-from lightning_shard.engine.planning import initializer
 from lightning_shard.engine.progress import about_unit
 from lightning_shard.engine.reduction import start_reduction
 
@@ -461,12 +461,7 @@ class ShardUnit:
             # In reverse module order, so that a tied weight takes the values its first owner gives it
             # (the embedding, not the LM head registered after it).
             for m in reversed(modules):
-                for name, buf in m._buffers.items():
-                    if buf is not None and buf.is_meta:
-                        m._buffers[name] = torch.empty_like(buf, device=device)
-                init = initializer(m)
-                assert init is not None  # only modules with an initializer are passed
-                init()
+                run_initializer(m, device)
             for p, value in zip(self.params, values_of_rank0([p.unsharded.data for p in self.params], device)):
                 p.copy_rows_from_full(value)
                 p.unsharded = originals[id(p)]

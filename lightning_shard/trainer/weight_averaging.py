@@ -37,13 +37,14 @@ AVERAGING_STATE_KEY = "averaging_state"  # the trainer state's entry for the Ave
 
 class _ShardShadow(nn.Module):
     """This rank's rows of every parameter and its buffers, in the LightningModule's order: what the
-    ``AveragedModel`` copies and averages (see [Note: weight averaging on shards])."""
+    ``AveragedModel`` copies and averages (see [Note: weight averaging on shards]). It holds views of the live
+    shards, not copies: the ``AveragedModel`` deep-copies it, and that copy is the only one kept."""
 
     def __init__(self, params: Iterable[Tensor], buffers: Iterable[Tensor]) -> None:
         super().__init__()
-        self.params = nn.ParameterList(nn.Parameter(p.detach().clone(), requires_grad=False) for p in params)
+        self.params = nn.ParameterList(nn.Parameter(p.detach(), requires_grad=False) for p in params)
         for i, b in enumerate(buffers):
-            self.register_buffer(f"buffer_{i}", b.detach().clone())
+            self.register_buffer(f"buffer_{i}", b.detach())
 
 
 def weight_averaging_callbacks(callbacks: Iterable[Any]) -> list[WeightAveraging]:
