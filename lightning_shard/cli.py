@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     x = commands.add_parser("export", help="write a checkpoint's model in Hugging Face's save_pretrained layout")
     x.add_argument("checkpoint_dir")
     x.add_argument("output_dir")
-    x.add_argument("--format", choices=["hf", "dcp"], default="hf",
-                   help="output layout (hf: sharded safetensors + index; dcp: torch.distributed.checkpoint directory"
-                   " that ModelParallelStrategy resumes from, with the optimizer state)")
+    x.add_argument("--format", choices=["hf", "peft", "dcp"], default="hf",
+                   help="output layout (hf: sharded safetensors + index, peft adapters merged into --base; peft:"
+                   " adapter_model.safetensors + adapter_config.json for PeftModel.from_pretrained; dcp:"
+                   " torch.distributed.checkpoint directory that ModelParallelStrategy resumes from, with the"
+                   " optimizer state)")
     x.add_argument(
         "--prefix", default="", help="the submodule whose keys are exported, without its name (e.g. 'model')"
     )
@@ -51,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--config", default=None, help="a config.json to copy into OUTPUT_DIR")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
     x.add_argument("--weights", choices=["current", "averaged"], default="current",
-                   help="the model as trained, or the average a WeightAveraging callback kept (--format hf)")
+                   help="the model as trained, or the average a WeightAveraging callback kept (--format hf, peft)")
+    x.add_argument("--adapter-config", default=None,
+                   help="--format peft of a checkpoint that recorded no adapters: the LoRA adapter_config.json")
+    x.add_argument("--adapter-name", default="default", help="with --adapter-config: the adapter's name in the keys")
+    x.add_argument("--base", default=None,
+                   help="--format hf of a checkpoint with peft adapters: the base model's Hugging Face directory"
+                   " (default: the adapter config's base_model_name_or_path, when it is a local directory)")
     v = commands.add_parser(
         "convert", help="write a Lightning .ckpt (DDP, FSDP full) or a DCP directory as a lightning_shard checkpoint"
     )
@@ -87,13 +95,36 @@ def _export(args: argparse.Namespace) -> int:
 
     if args.format == "dcp":
         return _export_dcp(args)
+    if args.format == "peft":
+        return _export_peft(args)
+    misplaced = [flag for flag, given in (("--adapter-config", args.adapter_config),
+                                          ("--adapter-name", args.adapter_name != "default")) if given]
+    if misplaced:
+        print(f"lightning-shard: {', '.join(misplaced)} only apply to --format peft.", file=sys.stderr)
+        return 2
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     result = export_hf(args.checkpoint_dir, args.output_dir, prefix=args.prefix, dtype=args.dtype,
-                       max_shard_size=size, config=args.config, overwrite=args.overwrite, weights=args.weights)
+                       max_shard_size=size, config=args.config, overwrite=args.overwrite, weights=args.weights,
+                       base=args.base)
     if result.skipped:
         print(f"note: {len(result.skipped)} keys without the prefix {args.prefix!r} were left out:"
               f" {', '.join(result.skipped)}")
     print(f"wrote {len(result.files)} weight files ({result.total_size / 2**20:.2f} MiB) to {result.output_dir}")
+    return 0
+
+
+def _export_peft(args: argparse.Namespace) -> int:
+    from lightning_shard.checkpoint.export import export_peft
+
+    misplaced = [flag for flag, given in (("--config", args.config), ("--base", args.base),
+                                          ("--max-shard-size", args.max_shard_size != "5GB")) if given]
+    if misplaced:
+        print(f"lightning-shard: {', '.join(misplaced)} do not apply to --format peft.", file=sys.stderr)
+        return 2
+    result = export_peft(args.checkpoint_dir, args.output_dir, weights=args.weights, adapter_config=args.adapter_config,
+                         prefix=args.prefix, adapter_name=args.adapter_name, dtype=args.dtype,
+                         overwrite=args.overwrite)
+    print(f"wrote {', '.join(result.files)} ({result.total_size / 2**20:.2f} MiB) to {result.output_dir}")
     return 0
 
 
@@ -102,7 +133,8 @@ def _export_dcp(args: argparse.Namespace) -> int:
 
     hf_only = [flag for flag, given in (("--prefix", args.prefix), ("--dtype", args.dtype), ("--config", args.config),
                                         ("--max-shard-size", args.max_shard_size != "5GB"),
-                                        ("--weights", args.weights != "current")) if given]
+                                        ("--weights", args.weights != "current"),
+                                        ("--adapter-config", args.adapter_config), ("--base", args.base)) if given]
     if hf_only:
         print(f"lightning-shard: {', '.join(hf_only)} only apply to --format hf; a DCP export writes the whole"
               " checkpoint as it is.", file=sys.stderr)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_shard.checkpoint.agreement import agree
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError
-from lightning_shard.checkpoint.index import iter_index_tensors, model_ties
+from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties
 from lightning_shard.checkpoint.layout import require_complete
 from lightning_shard.checkpoint.reader import RowReads
 from lightning_shard.checkpoint.sources import CheckpointSource, ShardDirectory
@@ -52,10 +52,13 @@ def load_averaged(source: CheckpointSource, engine: ShardedModule, into: Average
 def _read(source: ShardDirectory, engine: ShardedModule, into: AveragedTensors) -> None:
     entries = dict(iter_index_tensors(source.index, AVERAGE_PREFIX))
     ties = model_ties(source.index)
-    reads, wanted, done = RowReads(), [], set()
+    # The average of a weight the save left out is not stored: it keeps the value it was built with, the weight
+    # itself (see [Note: weights a checkpoint leaves out]).
+    left_out = {key.removeprefix(MODEL_PREFIX) for key in source.index.get(LEFT_OUT, {})}
+    reads, wanted, done = RowReads(), [], set(left_out)
     for p in engine.sharded_params():
         name = next((f for f in p.fqns if f in into.tensors), None)
-        if name is None:
+        if name is None or left_out.intersection(p.fqns):
             continue
         key = next((ties.get(f, f) for f in p.fqns if ties.get(f, f) in entries), None)
         if key is None:

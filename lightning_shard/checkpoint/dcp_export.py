@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from lightning_shard.checkpoint.export import move_into_place
 from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError
-from lightning_shard.checkpoint.index import iter_index_tensors
+from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors
 from lightning_shard.checkpoint.layout import StoredTensor, require_complete
 from lightning_shard.checkpoint.load import load_trainer_state
 from lightning_shard.checkpoint.reader import FileHandles, read_tensor
@@ -57,6 +57,11 @@ def export_dcp(checkpoint: str | Path, output_dir: str | Path, overwrite: bool =
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise CheckpointError(f"Export destination {out} exists and is not empty; pass overwrite=True (--overwrite).")
     values, index = load_trainer_state(directory)
+    if index.get(LEFT_OUT):
+        raise CheckpointError(
+            f"{directory} holds only part of the model (saved with save_trainable_only=True or a filter), which"
+            " another strategy cannot resume from. Export a checkpoint saved with every weight."
+        )
     require_complete(directory, index["tensors"])
     handles = FileHandles()
     readers: dict[int, Callable[[], Tensor]] = {}

@@ -15,16 +15,28 @@ import math
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_shard.checkpoint.adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    ADAPTERS,
+    DEFAULT_ADAPTER,
+    AdapterExport,
+    adapter_directory,
+    adapters_to_export,
+    merge_adapters,
+    remove_quietly,
+    temporary_directory_beside,
+)
 from lightning_shard.checkpoint.averaged import Weights, weights_prefix
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, submodule_prefix
-from lightning_shard.checkpoint.index import iter_index_tensors, read_index
+from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, read_index
 from lightning_shard.checkpoint.layout import StoredTensor, check_piece, require_complete
 from lightning_shard.checkpoint.reader import FileHandles, read_rows
 from lightning_shard.checkpoint.storage import local_only
@@ -54,6 +66,7 @@ def export_hf(
     config: str | Path | None = None,
     overwrite: bool = False,
     weights: Weights = "current",
+    base: str | Path | None = None,
 ) -> ExportResult:
     """Write the model of ``checkpoint`` (not the optimizer) to ``output_dir`` in Hugging Face's layout.
 
@@ -66,6 +79,12 @@ def export_hf(
     with ``dtype="auto"`` loads the weights as written).
     A non-empty existing ``output_dir`` is refused unless ``overwrite``. ``weights``: ``"current"`` (the model as
     trained) or ``"averaged"`` (the average a ``WeightAveraging`` callback kept during the fit).
+
+    A checkpoint whose module held a peft model is exported merged: its adapters are applied to the base model at
+    ``base`` (a Hugging Face model directory, by default the adapter config's ``base_model_name_or_path`` when that
+    is a local directory) with peft's ``merge_and_unload`` and the result saved with ``save_pretrained`` (see
+    [Note: adapters recorded at save time]). A checkpoint that left weights out without recording adapters is
+    refused: it is not a whole model.
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -78,6 +97,17 @@ def export_hf(
     if config is not None and not Path(config).is_file():
         raise CheckpointError(f"Export config file {config} does not exist.")
     index = read_index(directory)
+    if ADAPTERS in index:
+        return _export_merged(directory, index, out, base, target_dtype, weights, max_shard_size)
+    if base is not None:
+        raise CheckpointError(f"{directory} records no peft adapters: base= (--base) only applies to merging them.")
+    if index.get(LEFT_OUT):
+        raise CheckpointError(
+            f"{directory} holds only part of the model (saved with save_trainable_only=True or a filter; the"
+            f" {len(index[LEFT_OUT])} weights it left out are not in it), so it is not a whole model to export."
+            " Export its adapters with --format peft (--adapter-config when it records none), or export a"
+            " checkpoint saved with every weight."
+        )
     require_complete(directory, index["tensors"])
     entries: dict[str, StoredTensor] = {}
     skipped: list[str] = []
@@ -108,15 +138,7 @@ def export_hf(
     try:
         with FileHandles() as handles:
             for filename, keys in plan.filename_to_tensors.items():
-                specs = [(k, out_dtype(entries[k]), entries[k].shape) for k in keys]
-                writer = _PieceWriter(tmp / filename, specs, metadata={"format": "pt"})
-                try:
-                    for k, d, _ in specs:
-                        writer.write_pieces(k, (rows.to(d) for rows in _iter_pieces(entries[k], handles)))
-                    writer.close()
-                except BaseException:
-                    writer.close_quietly()
-                    raise
+                write_tensors_file(tmp / filename, {k: entries[k] for k in keys}, out_dtype, handles)
         if plan.is_sharded:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total_size}, "weight_map": plan.tensor_to_filename}, indent=2,
@@ -128,6 +150,120 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out, list(plan.filename_to_tensors), total_size, skipped, dropped)
+
+
+def write_tensors_file(
+    path: Path, entries: dict[str, StoredTensor], out_dtype: Callable[[StoredTensor], torch.dtype], handles: FileHandles
+) -> None:
+    """Write the checkpoint tensors ``entries`` (under the keys given) as the safetensors file ``path``, each full
+    tensor streamed in row blocks and checked against its checksums, cast to ``out_dtype(entry)``."""
+    specs = [(k, out_dtype(e), e.shape) for k, e in entries.items()]
+    writer = _PieceWriter(path, specs, metadata={"format": "pt"})
+    try:
+        for k, d, _ in specs:
+            writer.write_pieces(k, (rows.to(d) for rows in _iter_pieces(entries[k], handles)))
+        writer.close()
+    except BaseException:
+        writer.close_quietly()
+        raise
+
+
+def export_peft(
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    weights: Weights = "current",
+    adapter_config: str | Path | None = None,
+    prefix: str = "",
+    adapter_name: str = DEFAULT_ADAPTER,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+) -> ExportResult:
+    """Write the peft adapters of ``checkpoint`` as ``PeftModel.save_pretrained`` does: ``adapter_model.safetensors``
+    and ``adapter_config.json`` in ``output_dir`` (adapters other than ``default`` in subdirectories named after
+    them), so that ``PeftModel.from_pretrained(base_model, output_dir)`` loads them. The tensors and config come
+    from the record the save made (see [Note: adapters recorded at save time]); for a checkpoint without one,
+    ``adapter_config`` (a LoRA ``adapter_config.json``) with ``prefix`` (the submodule holding the ``PeftModel``,
+    e.g. ``"model"``) and ``adapter_name`` pick the LoRA tensors by their names. ``weights`` and ``dtype`` are as
+    for ``export_hf``."""
+    directory = local_only(checkpoint, "export_peft()")
+    out = local_only(output_dir, "export_peft()")
+    target_dtype = _export_dtype(dtype)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise CheckpointError(f"Export destination {out} exists and is not empty; pass overwrite=True (--overwrite).")
+    index = read_index(directory)
+    adapters = adapters_to_export(index, directory, adapter_config, prefix, adapter_name)
+    source = weights_prefix(index, weights, directory)
+    ties = index.get("ties", {})
+    planned: list[tuple[AdapterExport, dict[str, StoredTensor]]] = []
+    for adapter in adapters:
+        entries = {}
+        for peft_key, ours in adapter.tensors.items():
+            stored = ties.get(MODEL_PREFIX + ours, MODEL_PREFIX + ours).removeprefix(MODEL_PREFIX)
+            entry = index["tensors"].get(source + stored)
+            if entry is None:
+                raise CheckpointError(
+                    f"{directory} does not hold {source + stored!r}, a tensor of adapter {adapter.name!r}"
+                    " (a filter left it out?)."
+                )
+            entries[peft_key] = entry
+        require_complete(directory, {e.key: e for e in entries.values()})
+        planned.append((adapter, entries))
+
+    def out_dtype(entry: StoredTensor) -> torch.dtype:
+        return target_dtype if target_dtype is not None and entry.dtype.is_floating_point else entry.dtype
+
+    tmp = temporary_directory_beside(out)
+    files = []
+    try:
+        with FileHandles() as handles:
+            for adapter, entries in planned:
+                where = adapter_directory(tmp, adapter.name)
+                where.mkdir(parents=True, exist_ok=True)
+                write_tensors_file(where / ADAPTER_WEIGHTS, entries, out_dtype, handles)
+                (where / ADAPTER_CONFIG).write_text(json.dumps(adapter.config, indent=2, sort_keys=True) + "\n")
+                files.append(str(adapter_directory(Path(), adapter.name) / ADAPTER_WEIGHTS))
+        move_into_place(tmp, out)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    total = sum(_total_size(entries, out_dtype) for _, entries in planned)
+    return ExportResult(out, files, total)
+
+
+def _export_merged(
+    directory: Path,
+    index: dict[str, Any],
+    out: Path,
+    base: str | Path | None,
+    dtype: torch.dtype | None,
+    weights: Weights,
+    max_shard_size: int | str,
+) -> ExportResult:
+    """``export_hf`` of a checkpoint with peft adapters: merged into the base model by peft."""
+    adapters = adapters_to_export(index, directory, None, "", DEFAULT_ADAPTER)
+    default = next((a for a in adapters if a.name == DEFAULT_ADAPTER), adapters[0])
+    if base is None:
+        named = default.config.get("base_model_name_or_path")
+        if not (isinstance(named, str) and Path(named).is_dir()):
+            raise CheckpointError(
+                f"{directory} holds peft adapters; merging them needs the base model they were trained on. Give its"
+                f" Hugging Face directory with --base (base=...); the adapter config names {named!r}, which is not"
+                " a local directory."
+            )
+        base = named
+    tmp = temporary_directory_beside(out)
+    try:
+        export_peft(directory, tmp / "adapter", weights=weights)
+        if default.name != DEFAULT_ADAPTER:
+            (tmp / "adapter" / default.name).replace(tmp / "only")
+            shutil.rmtree(tmp / "adapter")
+            (tmp / "only").replace(tmp / "adapter")
+        merge_adapters(tmp / "adapter", base, tmp / "model", dtype, max_shard_size)
+        move_into_place(tmp / "model", out)
+    finally:
+        remove_quietly(tmp)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    return ExportResult(out, files, sum((out / f).stat().st_size for f in files))
 
 
 class _PieceWriter(SafetensorsStreamWriter):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_shard.checkpoint import format as checkpoint_format
+from lightning_shard.checkpoint.adapters import ADAPTERS, check_adapters_record
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -44,6 +45,7 @@ from lightning_shard.checkpoint.layout import (
 )
 from lightning_shard.checkpoint.storage import Location, MemberURL, RemoteDirectory
 
+LEFT_OUT = "left_out"  # model key -> fingerprint of each model tensor a save left out (see checkpoint.selection)
 SPLIT_BY_ROWS = "rows"  # a tensor entry's "split": its rows are spread over "shard_files" by the writer's rule
 
 
@@ -126,6 +128,11 @@ def _check_structure(path: Path | MemberURL, index: Any) -> None:
     if not isinstance(ties, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ties.items()):
         raise _damaged(path, "'ties' must map tensor names to tensor names")
     _check_optimizers(path, index.get("optimizers", []))
+    left_out = index.get(LEFT_OUT, {})
+    if not (isinstance(left_out, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in left_out.items())):
+        raise _damaged(path, f"'{LEFT_OUT}' must map the model keys a save left out to their fingerprints")
+    if ADAPTERS in index:
+        check_adapters_record(path, index[ADAPTERS])
 
 
 def _check_optimizers(path: Path | MemberURL, optimizers: Any) -> None:

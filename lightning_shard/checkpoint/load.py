@@ -34,9 +34,10 @@ from lightning_shard.checkpoint.format import (
     read_json_member,
     submodule_prefix,
 )
-from lightning_shard.checkpoint.index import iter_index_tensors, model_ties, read_index
+from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
 from lightning_shard.checkpoint.layout import StoredTensor, Whole, require_complete
 from lightning_shard.checkpoint.reader import RowReads
+from lightning_shard.checkpoint.selection import expect_left_out
 from lightning_shard.checkpoint.storage import Location, local_only
 from lightning_shard.checkpoint.trainer_state import from_json_tree
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
@@ -84,7 +85,10 @@ def load_model(
     for p in engine.sharded_params():  # a tied weight stored under any one of its names covers them all
         if any(f in available for f in p.fqns):
             available |= set(p.fqns)
-    result = _key_check(module, available, strict)
+    # A checkpoint that left weights out: they are checked before the next forward instead of counting as missing
+    # (see [Note: weights a checkpoint leaves out]).
+    accounted = expect_left_out(engine, module, index.get(LEFT_OUT, {}), directory, strict)
+    result = _key_check(module, available | accounted, strict)
     agree(lambda: _load_model_rows(engine, module, directory, index, ties))
     engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
     return result

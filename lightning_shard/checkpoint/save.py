@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import format as checkpoint_format
+from lightning_shard.checkpoint.adapters import ADAPTERS, peft_adapters
 from lightning_shard.checkpoint.agreement import agree, broadcast_str, gather_on_first_rank
 from lightning_shard.checkpoint.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
 from lightning_shard.checkpoint.format import (
@@ -50,8 +51,13 @@ from lightning_shard.checkpoint.format import (
     CheckpointError,
     shard_file_name,
 )
-from lightning_shard.checkpoint.index import FileRecord, SavedTensor, build_index, encode_index
+from lightning_shard.checkpoint.index import LEFT_OUT, FileRecord, SavedTensor, build_index, encode_index
 from lightning_shard.checkpoint.layout import shard_rows
+from lightning_shard.checkpoint.selection import (
+    MODEL_SELECTION_KEY,
+    ModelSelection,
+    left_out_fingerprints,
+)
 from lightning_shard.checkpoint.storage import Location, RemoteDirectory
 from lightning_shard.checkpoint.trainer_state import to_json_tree
 from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
@@ -100,6 +106,7 @@ def prepare_save(
     checkpoint = dict(checkpoint)
     checkpoint.pop("state_dict", None)
     averaged = checkpoint.pop(AVERAGED_MODEL_KEY, None)  # see [Note: averaged weights in a checkpoint]
+    selection = checkpoint.pop(MODEL_SELECTION_KEY, None)  # see [Note: weights a checkpoint leaves out]
     with_optimizers = checkpoint.pop("optimizer_states", None) is not None
     save_id = uuid.uuid4().hex[:12]
     if isinstance(path, Path):
@@ -125,7 +132,7 @@ def prepare_save(
 
     trainer_state = agree(checked_trainer_state)  # a refused target or an unstorable value fails on every rank
     writer = _ShardedWriter if layout is StateDictType.SHARDED else _FullWriter
-    plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp, averaged)
+    plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp, averaged, selection)
     if not isinstance(path, Path):  # every file under this save's id: nothing at the URL is overwritten
         plan.file_prefix = tmp.name.rsplit("-", 1)[1] + "."
     return PreparedSave(plan, path, layout, trainer_state, tensors)
@@ -309,6 +316,7 @@ class _Plan:
         optimizers: list[Optimizer],
         tmp: Path,
         averaged: AveragedTensors | None = None,
+        selection: ModelSelection | None = None,
     ) -> None:
         self.engine, self.tmp = engine, tmp
         self.file_prefix = ""  # "<save-id>." for a save to a URL (see [Note: committing to object storage])
@@ -328,8 +336,19 @@ class _Plan:
         self.params.sort(key=lambda item: position[item[0]])  # are the same whatever the wrap policy
         owned = {f for p in engine.sharded_params() for f in p.fqns}
         self.buffers = [(k, v) for k, v in state.items() if k not in owned]
-        self.optimizers = [_optimizer_plan(engine, opt, i) for i, opt in enumerate(optimizers)]
+        self.left_out: dict[str, str] = {}  # see [Note: weights a checkpoint leaves out]
+        if selection is not None and not selection.keeps_everything:
+            keep = {k for k, p in self.params if selection.keeps_parameter(k, state[k], p)}
+            keep |= {k for k, v in self.buffers if selection.keeps_buffer(k, v)}
+            self.left_out = left_out_fingerprints(engine, [item for item in self.params if item[0] not in keep],
+                                                  [item for item in self.buffers if item[0] not in keep])
+            self.params = [item for item in self.params if item[0] in keep]
+            self.buffers = [item for item in self.buffers if item[0] in keep]
+            self.ties = {alias: name for alias, name in self.ties.items() if name in keep}
+        kept_names = {f for _, p in self.params for f in p.fqns}
+        self.optimizers = [_optimizer_plan(engine, opt, i, kept_names) for i, opt in enumerate(optimizers)]
         self.averaged = _averaged_plan(averaged, self.params, self.buffers)
+        self.adapters = peft_adapters(module)  # see [Note: adapters recorded at save time]
 
     def write_local(self) -> list[FileRecord]:
         """Write what this rank holds into the temporary directory; return the records of the files it wrote."""
@@ -340,6 +359,10 @@ class _Plan:
         mesh = self.engine.mesh
         head = index_head(layout, self.world_size, (mesh.replicas, mesh.shard_size),
                           self.engine.sharding_strategy.value, self.ties, [meta for meta, _ in self.optimizers])
+        if self.left_out:
+            head[LEFT_OUT] = self.left_out
+        if self.adapters is not None:
+            head[ADAPTERS] = self.adapters
         params = [(fqn, tuple(p.global_shape), p.dtype) for fqn, p in self.params]
         optim = [(name, tuple(p.global_shape) if p is not None else None, value)
                  for _, tensors in self.optimizers for name, p, value in tensors]
@@ -405,11 +428,19 @@ def index_head(
     }
 
 
-def _optimizer_plan(engine: ShardedModule, optimizer: Optimizer, i: int) -> tuple[dict[str, Any], list[Any]]:
-    """JSON metadata of optimizer ``i`` and its tensors as (key, ShardedParam or None, tensor)."""
+def _optimizer_plan(
+    engine: ShardedModule, optimizer: Optimizer, i: int, kept: set[str]
+) -> tuple[dict[str, Any], list[Any]]:
+    """JSON metadata of optimizer ``i`` and its tensors as (key, ShardedParam or None, tensor), holding the state of
+    the parameters named in ``kept`` only (see [Note: weights a checkpoint leaves out])."""
     by_shard = {id(p.sharded): p for p in engine.sharded_params()}
     shapes = {k: (p.fqn, p.sharded.shape, p.global_shape) for k, p in by_shard.items()}
     meta, tensors = optimizer_plan(optimizer, i, shapes)
+    prefix = f"{OPTIMIZER_PREFIX}{i}/"
+    tensors = [t for t in tensors if t[0].removeprefix(prefix).rsplit("/", 1)[0] in kept]
+    meta["values"] = {fqn: v for fqn, v in meta["values"].items() if fqn in kept}
+    if "scalar_param_states" in meta:
+        meta["scalar_param_states"] = {fqn: v for fqn, v in meta["scalar_param_states"].items() if fqn in kept}
     return meta, [(name, by_shard[pid] if pid is not None else None, value) for name, pid, value in tensors]
 
 

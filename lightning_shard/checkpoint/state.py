@@ -21,6 +21,7 @@ from lightning_shard.checkpoint.agreement import agree, broadcast_str
 from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.load import LoadResult
 from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
+from lightning_shard.checkpoint.selection import MODEL_SELECTION_KEY, ModelSelection
 from lightning_shard.checkpoint.sources import open_checkpoint
 from lightning_shard.checkpoint.storage import Location, RemoteDirectory, location
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
@@ -39,9 +40,13 @@ def save_checkpoint(
     layout: StateDictType | str = "sharded",
     saver: BackgroundSaver | None = None,
     storage_options: dict[str, Any] | None = None,
+    selection: ModelSelection | None = None,
 ) -> None:
     """Write ``module`` (sharded by ``lightning_shard``), the state of ``optimizers`` (built on its shards) and
     ``values`` as a checkpoint directory at ``path``, atomically. Collective: every rank must call it.
+
+    ``selection`` (e.g. ``ModelSelection(SavedParameters.TRAINABLE)``) leaves part of the model out; the
+    checkpoint then records what it left out and a load checks it (see [Note: weights a checkpoint leaves out]).
 
     With a ``saver`` the files are written in the background: this returns once each rank has copied its rows
     aside, and ``saver.wait()`` (or the next save) waits for the directory (see [Note: background saves]).
@@ -55,6 +60,8 @@ def save_checkpoint(
         raise ValueError(f"save_checkpoint: the value names {reserved} are reserved by the checkpoint format.")
     if optimizers:
         rest["optimizer_states"] = []  # tells the writer to store optimizer state
+    if selection is not None:
+        rest[MODEL_SELECTION_KEY] = selection
     target = _target(path, storage_options)
     args = (engine, module, list(optimizers), rest, target, StateDictType.parse(layout))
     if saver is not None:

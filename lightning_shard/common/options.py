@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 import torch.distributed as dist
 
 from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.checkpoint.selection import SavedParameters
 from lightning_shard.common.fsdp_compat import (
     check_fsdp_flags,
     cpu_offload_flag,
@@ -53,6 +54,7 @@ class ShardOptions:
     checkpointing_policy: WrapPolicy | None
     grad_sync: GradSync
     state_dict_type: StateDictType
+    saved_parameters: SavedParameters  # save_trainable_only: see [Note: weights a checkpoint leaves out]
     cpu_offload: bool
     broadcast_buffers: bool
     param_init: ParamInit
@@ -71,6 +73,7 @@ class ShardOptions:
         activation_checkpointing_policy: WrapPolicySpec = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] | StateDictType = "sharded",
+        save_trainable_only: bool = False,
         cpu_offload: bool | CPUOffload = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
@@ -96,6 +99,8 @@ class ShardOptions:
                 f"cpu_offload must be True or False, got {cpu_offload!r} (PyTorch's CPUOffload(offload_params=...) is"
                 " taken too)."
             )
+        if not isinstance(save_trainable_only, bool):
+            raise TypeError(f"save_trainable_only must be True or False, got {save_trainable_only!r}.")
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}.")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -115,6 +120,7 @@ class ShardOptions:
             ),
             grad_sync=GradSync.parse(grad_sync),
             state_dict_type=StateDictType.parse(state_dict_type),
+            saved_parameters=SavedParameters.TRAINABLE if save_trainable_only else SavedParameters.ALL,
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
             param_init=ParamInit.parse(param_init),

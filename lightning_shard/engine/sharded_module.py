@@ -59,7 +59,7 @@ backward uses it without a second all-gather. At most one unit beyond the runnin
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -112,6 +112,8 @@ class ShardedModule:
         # Parameters built on the meta device by modules without reset_parameters(), not loaded yet: fqn -> where.
         self.uninitialized: dict[str, str] = {}
         self.param_init = ParamInit.RESET_PARAMETERS  # how meta-device parameters were materialised
+        # Checks of loaded state that wait for the next forward (e.g. weights a partial checkpoint left out).
+        self._checks_before_forward: dict[str, Callable[[], None]] = {}
         for unit in units:
             unit.pool = self.pool
             unit.on_first_pre_backward = self._queue_end_of_backward
@@ -140,7 +142,8 @@ class ShardedModule:
 
     def check_initialized(self) -> None:
         """Refuse to run a model with parameters that nothing initialised (see [Note: parameters nothing
-        initialises]); the same on every rank, before any collective."""
+        initialises]), the same on every rank, before any collective; then run the checks waiting for this forward
+        (``check_before_next_forward``)."""
         if self.uninitialized:
             if self.param_init is ParamInit.EMPTY:
                 why = "with param_init='empty' (nothing is initialised; a load is expected to fill them)"
@@ -154,6 +157,17 @@ class ShardedModule:
                 " Load them before the first forward (load_safetensors_into(), e.g. from on_fit_start, or"
                 f" fabric.load_raw() after setup_module), {fix}."
             )
+        while self._checks_before_forward:
+            self._checks_before_forward.pop(next(iter(self._checks_before_forward)))()
+
+    def check_before_next_forward(self, name: str, check: Callable[[], None] | None) -> None:
+        """Run ``check`` once, on every rank, before the next forward of any unit, after the check for
+        uninitialised parameters; it replaces a pending check of the same ``name`` (``None`` removes it). It may use
+        collectives: every rank reaches it at the same point. Used when a checkpoint left some weights out, which
+        may be restored after the load (e.g. in ``on_fit_start``)."""
+        self._checks_before_forward.pop(name, None)
+        if check is not None:
+            self._checks_before_forward[name] = check
 
     def mark_initialized(self, fqns: Iterable[str]) -> None:
         """The parameters named ``fqns`` (any of a tied parameter's names) now hold loaded values."""

@@ -26,6 +26,7 @@ from lightning_shard.checkpoint.index import read_index
 from lightning_shard.checkpoint.load import load_model, load_safetensors_into
 from lightning_shard.checkpoint.pickles import refuse_pickle
 from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.checkpoint.selection import KeyFilter, ModelSelection, SavedParameters
 from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS, load_checkpoint, save_checkpoint
 from lightning_shard.checkpoint.storage import Location
 from lightning_shard.common.checkpoint import FABRIC_OBJECTS
@@ -33,10 +34,16 @@ from lightning_shard.engine.sharded_module import sharded_module_of
 
 
 def save_fabric_state(
-    path: Location, state: Mapping[str, Any], layout: StateDictType, saver: BackgroundSaver | None = None
+    path: Location,
+    state: Mapping[str, Any],
+    layout: StateDictType,
+    saver: BackgroundSaver | None = None,
+    selection: ModelSelection | None = None,
+    filter: Mapping[str, KeyFilter] | None = None,
 ) -> None:
     """Write Fabric's ``state`` (live module, optimizers, plain values) as a checkpoint directory, in the background
-    with a ``saver``. Collective."""
+    with a ``saver``; the module's tensors as ``selection`` keeps them (``fabric_model_selection``), dict values
+    through their ``filter`` entries as Fabric filters them. Collective."""
     module_key, module = _sharded_module(state, "fabric.save")
     optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
     values: dict[str, Any] = {}
@@ -45,9 +52,41 @@ def save_fabric_state(
             continue
         if key == FABRIC_OBJECTS or key in TRAINER_PLACEHOLDERS:
             raise ValueError(f"fabric.save: the state key {key!r} is reserved by the checkpoint format; rename it.")
-        values[key] = value.state_dict() if isinstance(value, (_Stateful, nn.Module)) else value
+        value = value.state_dict() if isinstance(value, (_Stateful, nn.Module)) else value
+        if filter and key in filter and isinstance(value, dict):  # as Fabric's own filter treats a dict
+            value = {k: v for k, v in value.items() if filter[key](k, v)}
+        values[key] = value
     values[FABRIC_OBJECTS] = {"module": module_key, "optimizers": optimizer_keys}
-    save_checkpoint(path, module, [state[k] for k in optimizer_keys], values, layout, saver)
+    save_checkpoint(path, module, [state[k] for k in optimizer_keys], values, layout, saver, selection=selection)
+
+
+def fabric_model_selection(
+    state: Mapping[str, Any], filter: Mapping[str, KeyFilter] | None, parameters: SavedParameters
+) -> ModelSelection:
+    """What ``fabric.save(path, state, filter=...)`` keeps of the sharded module: its ``filter`` entry and the
+    strategy's ``save_trainable_only``. A filter entry that names no key of ``state``, or an optimizer (whose state
+    follows the module's parameters), or a value that is not a dict, is refused: it would filter nothing."""
+    if filter is None:
+        return ModelSelection(parameters)
+    if not isinstance(filter, Mapping):
+        raise TypeError(f"fabric.save: filter must map state keys to callables, got {type(filter).__name__}.")
+    module_key, _ = _sharded_module(state, "fabric.save")
+    for key, predicate in filter.items():
+        if key not in state:
+            raise KeyError(f"fabric.save: filter names {key!r}, which the state does not hold ({sorted(state)}).")
+        if isinstance(state[key], Optimizer):
+            raise ValueError(
+                f"fabric.save: filter[{key!r}] names an optimizer. With ShardStrategy the optimizer state saved is"
+                " that of the module's parameters the module's filter keeps; filter the module instead."
+            )
+        value = state[key]
+        if key != module_key and not isinstance(value, (dict, _Stateful, nn.Module)):
+            raise ValueError(
+                f"fabric.save: filter[{key!r}] applies to a dict; state[{key!r}] is a {type(value).__name__}."
+            )
+        if not callable(predicate):
+            raise TypeError(f"fabric.save: filter[{key!r}] must be a callable (key, value) -> bool.")
+    return ModelSelection(parameters, filter.get(module_key))
 
 
 def load_fabric_state(path: Location, state: dict[str, Any], strict: bool) -> dict[str, Any]:

@@ -51,7 +51,13 @@ from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import GradSync, ParamInit, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 from lightning_shard.engine.wrapping import wrap_marks_units
-from lightning_shard.fabric.checkpoint import load_fabric_state, load_raw_into, optimizer_alone_error, save_fabric_state
+from lightning_shard.fabric.checkpoint import (
+    fabric_model_selection,
+    load_fabric_state,
+    load_raw_into,
+    optimizer_alone_error,
+    save_fabric_state,
+)
 from lightning_shard.fabric.precision import ShardPrecision
 
 
@@ -97,6 +103,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         activation_checkpointing_policy: WrapPolicySpec = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        save_trainable_only: bool = False,
         cpu_offload: bool | CPUOffload = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
@@ -122,6 +129,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             activation_checkpointing_policy=activation_checkpointing_policy,
             grad_sync=grad_sync,
             state_dict_type=state_dict_type,
+            save_trainable_only=save_trainable_only,
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
             param_init=param_init,
@@ -343,19 +351,22 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         storage_options: Any | None = None,
         filter: dict[str, Any] | None = None,
     ) -> None:
-        """Write ``state`` as a checkpoint directory at ``path`` (every rank writes its rows). Collective."""
-        if filter:
-            raise NotImplementedError(
-                "fabric.save(..., filter=...) is not supported with ShardStrategy: checkpoints hold every parameter"
-                " (use lightning-shard consolidate and select keys afterwards)."
-            )
+        """Write ``state`` as a checkpoint directory at ``path`` (every rank writes its rows). Collective.
+
+        ``filter`` maps state keys to a predicate ``(key, value) -> bool``, as Fabric's: for the module, which of
+        its state-dict entries are saved (values are this rank's views; decide from the key), the optimizer state
+        following the parameters kept; for a dict value, which of its items. With ``save_trainable_only=True`` the
+        module's frozen parameters are left out as well. A checkpoint that leaves weights out records their
+        fingerprints and is checked on load (see [Note: weights a checkpoint leaves out])."""
+        selection = fabric_model_selection(state, filter, self.options.saved_parameters)
         url = self.broadcast(os.fspath(path))
         target = location(url, storage_options or (self._storage_options if is_url(url) else None))
         if self._async_save:
-            save_fabric_state(target, state, self.options.state_dict_type, self._saver)  # see [Note: background saves]
+            # see [Note: background saves]
+            save_fabric_state(target, state, self.options.state_dict_type, self._saver, selection, filter)
         else:
             self._saver.wait()
-            save_fabric_state(target, state, self.options.state_dict_type)
+            save_fabric_state(target, state, self.options.state_dict_type, None, selection, filter)
 
     def wait_for_save(self) -> None:
         """Block until the background save in flight (``async_save=True``) has finished writing its directory; raise

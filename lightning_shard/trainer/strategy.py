@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint.background import BackgroundSaver, refuse_full_layout_in_background
 from lightning_shard.checkpoint.save import StateDictType, save_checkpoint_dir
+from lightning_shard.checkpoint.selection import MODEL_SELECTION_KEY, ModelSelection
 from lightning_shard.checkpoint.state_dict import model_state_dict, optimizer_state_dict
 from lightning_shard.checkpoint.storage import checked_storage_options, is_url, location
 from lightning_shard.common.distributed import reduce_tensor
@@ -99,6 +100,12 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         state_dict_type: ``"sharded"`` (default): checkpoints are directories where every rank writes its own rows
             in safetensors; ``"full"``: rank 0 streams the gathered model into one ``model.safetensors`` (and the
             optimizer into ``optimizer.safetensors``). Both load at any world size.
+        save_trainable_only: checkpoints hold only the parameters that require grad (and every buffer) and their
+            optimizer state: a LoRA fine-tune writes its adapters, not the frozen base. Resuming needs the frozen
+            weights restored from where they came from (a pretrained import in ``configure_model`` or
+            ``on_fit_start``): the checkpoint records a fingerprint of each weight it leaves out, and the first
+            forward after the load raises, naming them, if they do not hold those values (see
+            docs/user_guide.md, "Adapter-only checkpoints").
         cpu_offload: keep parameter shards, gradients and optimizer state in CPU memory and run the optimizer step
             on the CPU; each unit's weights are uploaded to the GPU when it is gathered. Frees GPU memory at the
             cost of host-device copies every step. On a CPU device it changes nothing (a warning says so).
@@ -148,6 +155,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         activation_checkpointing_policy: WrapPolicySpec = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        save_trainable_only: bool = False,
         cpu_offload: bool | CPUOffload = False,
         broadcast_buffers: bool = True,
         param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
@@ -174,6 +182,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             activation_checkpointing_policy=activation_checkpointing_policy,
             grad_sync=grad_sync,
             state_dict_type=state_dict_type,
+            save_trainable_only=save_trainable_only,
             cpu_offload=cpu_offload,
             broadcast_buffers=broadcast_buffers,
             param_init=param_init,
@@ -409,6 +418,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         assert self.lightning_module is not None
         path = location(self.broadcast(os.fspath(filepath)), storage_options or self._url_options(filepath))
         layout = self.options.state_dict_type
+        checkpoint = {**checkpoint, MODEL_SELECTION_KEY: ModelSelection(self.options.saved_parameters)}
         args = (self.engine, self.lightning_module, self.optimizers, checkpoint, path, layout)
         if saves_in_background(self._checkpoint_io) and self._fitting():
             self._saver.save(*args)  # see [Note: background saves]

@@ -166,7 +166,7 @@ tests_fabric/strategies/test_fsdp_integration.py
 - test_module_init_context[32-true|16-true|bf16-true] [a]
   F.test_init_module_builds_in_the_precisions_dtype_and_setup_places_it
 - test_save_filter: filter for full, ``NotImplementedError`` for sharded. [a]/[c]
-  F.test_save_with_a_filter_is_not_implemented
+  F.test_save_with_a_filter_writes_only_the_filtered_keys
 - test_manual_activation_checkpointing: warning for a model already checkpointed. [a]
   F.test_a_model_checkpointed_by_hand_gets_a_warning
 - test_rewrap_warnings: manual wrap skips the policy; meta weights stay. [c]
@@ -231,7 +231,7 @@ tests_pytorch/strategies/test_model_parallel_integration.py and tests_fabric/...
 - test_save_full_state_dict (Fabric) [a]/[c] as under FSDP, and M.test_fabric_module_and_optimizer_state_dicts
 - test_load_full_state_dict_into_sharded_model (Fabric) [a]/[c] as under FSDP
 - test_setup_module_move_to_device (Fabric) [a] F.test_setup_module_shards_onto_the_device_whatever_move_to_device_says
-- test_save_filter (Fabric) [a]/[c] F.test_save_with_a_filter_is_not_implemented
+- test_save_filter (Fabric) [a]/[c] F.test_save_with_a_filter_writes_only_the_filtered_keys
 - test_clip_gradients (Fabric) [a] F.test_clip_gradients_by_norm_and_by_value
 - test_save_sharded_and_consolidate_and_load (Fabric) [a]
   F.test_a_sharded_checkpoint_consolidates_and_loads_into_a_new_sharded_model

@@ -28,6 +28,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
 
 import lightning_shard
 from lightning_shard import MixedPrecision, ShardingStrategy
+from lightning_shard.checkpoint.index import read_index
 from lightning_shard.engine import sharded_module_of
 from lightning_shard.fabric import ShardPrecision, ShardStrategy
 from tests.checkpoint_fits import module_full_state
@@ -585,18 +586,21 @@ def test_init_module_builds_in_the_precisions_dtype_and_setup_places_it(precisio
         assert seen == [("cpu", dtype), ("cpu", dtype), ("meta", dtype), ("cpu", dtype)]
 
 
-def save_with_filter(rank: int, world_size: int, tmp: str, state_dict_type: str) -> str:
+def save_with_filter(rank: int, world_size: int, tmp: str, state_dict_type: str) -> tuple[list[str], list[str]]:
     f = fabric(ShardStrategy(state_dict_type=state_dict_type))
     model = f.setup_module(nn.Linear(32, 2))
-    return raised(lambda: f.save(f"{tmp}/filtered", {"model": model}, filter={"model": lambda k, v: "bias" in k}))
+    f.save(f"{tmp}/filtered", {"model": model}, filter={"model": lambda k, v: "bias" in k})
+    index = read_index(Path(tmp) / "filtered")
+    return sorted(index["tensors"]), sorted(index["left_out"])
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_save_with_a_filter_is_not_implemented(tmp_path: Path, state_dict_type: str) -> None:
-    """test_save_filter: a filtered sharded save raises ``NotImplementedError`` as under FSDPStrategy; here the full
-    layout does too (FSDPStrategy writes the filtered keys: a deliberate difference)."""
-    for message in on_ranks(save_with_filter, str(tmp_path), state_dict_type):
-        assert message.startswith("NotImplementedError") and "filter" in message, message
+def test_save_with_a_filter_writes_only_the_filtered_keys(tmp_path: Path, state_dict_type: str) -> None:
+    """test_save_filter: the filtered keys are written, in both layouts (FSDPStrategy: the full layout only,
+    ``NotImplementedError`` for the sharded one: a deliberate difference); the weights left out are recorded, and a
+    load checks them (tests/test_partial_checkpoints.py)."""
+    for tensors, left_out in on_ranks(save_with_filter, str(tmp_path), state_dict_type):
+        assert (tensors, left_out) == (["model/bias"], ["model/weight"])
 
 
 def already_checkpointed(rank: int, world_size: int) -> dict[str, Any]:
