@@ -9,7 +9,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shard.checkpoint.consolidate import CheckpointSummary, consolidate, inspect
-from lightning_shard.checkpoint.export import ExportResult, export_hf
+from lightning_shard.checkpoint.export import ExportResult, export_hf, export_peft
 from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.load import LoadResult, load_safetensors_into
 from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
@@ -65,6 +65,7 @@ __all__ = [
     "consolidate",
     "estimate_memory",
     "export_hf",
+    "export_peft",
     "generate",
     "inspect",
     "load_from_checkpoint",

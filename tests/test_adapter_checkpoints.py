@@ -140,6 +140,14 @@ def test_the_adapter_only_checkpoint_holds_the_adapters_and_their_optimizer_stat
     assert total <= 4 * adapter_bytes + 256 * 1024, total
 
 
+def test_inspect_says_what_was_left_out_and_which_adapters_are_recorded(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["inspect", str(checkpoint_at(runs, STEPS))]) == 0
+    printed = capsys.readouterr().out
+    assert "28 model weights left out" in printed and "peft adapters: default" in printed, printed
+
+
 @pytest.mark.parametrize("import_in", ["configure_model", "on_fit_start"])
 def test_resumed_on_3_ranks_it_ends_at_the_uninterrupted_ddp_run(runs: dict[str, Any], import_in: str) -> None:
     resumed = run_on_ranks(fit_lora, 3, runs["pretrained"], None, import_in=import_in,

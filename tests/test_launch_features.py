@@ -2,12 +2,13 @@
 Lightning's own launcher, where ``ShardStrategy`` creates the process group, against DDP in the same process.
 
 A 2-rank job trains with ``EMAWeightAveraging`` and a ``GlobalBatchLoader``, checkpointing to ``s3://`` (the S3 test
-server on 127.0.0.1), and samples with ``generate`` (sharded weights, a different length per rank) and inside
+server on 127.0.0.1) with ``save_trainable_only=True`` (frozen embeddings left out), and samples with ``generate`` (sharded weights, a different length per rank) and inside
 ``summon_full_params``; a 3-rank job resumes from the bucket's ``last.ckpt`` to the uninterrupted DDP run.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -48,12 +49,16 @@ def test_averaging_sampling_and_an_s3_checkpoint_in_fresh_jobs_match_ddp(tmp_pat
             "features"
         )
         _launch(tmp_path, server.env, 2, 4)
-        objects = s3fs.S3FileSystem(
+        bucket = s3fs.S3FileSystem(
             key="testing", secret="testing", client_kwargs={"endpoint_url": server.endpoint}, skip_instance_cache=True
-        ).ls("features/run/last.ckpt")
+        )
+        objects = bucket.ls("features/run/last.ckpt")
+        index = json.loads(bucket.cat("features/run/last.ckpt/index.json"))
         _launch(tmp_path, server.env, 3, 8, "--resume")
 
     assert any(name.endswith("/index.json") for name in objects)
+    frozen = ["model/model.blocks.0.qkv.weight", "model/model.wpe.weight", "model/model.wte.weight"]
+    assert sorted(index["left_out"]) == frozen  # the test GPT's own frozen weights, and the embeddings
     assert not (tmp_path / "s3:").exists()  # the URL was never taken for a local path
     for rank, (ours, ddp) in enumerate(_results(tmp_path, 2)):
         assert ours["created"], "the process group existed before the strategy ran: not a fresh process"

@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_shard.checkpoint.adapters import ADAPTERS
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     MODEL_PREFIX,
@@ -24,7 +25,7 @@ from lightning_shard.checkpoint.format import (
     member_named,
     read_json_member,
 )
-from lightning_shard.checkpoint.index import iter_index_tensors, model_ties, read_index
+from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
 from lightning_shard.checkpoint.layout import Piece, StoredTensor, check_piece, require_complete
 from lightning_shard.checkpoint.reader import FileHandles, read_tensor
 from lightning_shard.checkpoint.storage import Location, RemoteDirectory, is_url, location
@@ -82,6 +83,8 @@ class CheckpointSummary:
     tensors: dict[str, tuple[list[int], str]]  # index key -> (shape, dtype)
     total_bytes: int
     problems: list[str]  # empty when every file and piece checks out
+    left_out: list[str] = field(default_factory=list)  # model keys a partial save left out
+    adapters: list[str] = field(default_factory=list)  # the peft adapters it records
 
     def __str__(self) -> str:
         lines = [
@@ -89,6 +92,11 @@ class CheckpointSummary:
             f" mesh {self.mesh['replicas']}x{self.mesh['shard_size']}; epoch {self.epoch}, step {self.global_step}",
             f"{len(self.tensors)} tensors, {self.total_bytes / 2**20:.2f} MiB on disk",
         ]
+        if self.left_out:
+            lines.append(f"{len(self.left_out)} model weights left out (save_trainable_only or a filter): they must"
+                         " come from where they came from when it is loaded")
+        if self.adapters:
+            lines.append(f"peft adapters: {', '.join(self.adapters)} (lightning-shard export --format peft)")
         lines += [f"  {key}  {list(shape)}  {dtype}" for key, (shape, dtype) in self.tensors.items()]
         lines.append("verified: OK" if not self.problems else "PROBLEMS:\n  " + "\n  ".join(self.problems))
         return "\n".join(lines)
@@ -119,6 +127,8 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
         tensors={k: (list(e.shape), dtype_name(e.dtype)) for k, e in index["tensors"].items()},
         total_bytes=sum(f["size"] for f in index["files"].values()),
         problems=problems,
+        left_out=sorted(index.get(LEFT_OUT, {})),
+        adapters=sorted(index.get(ADAPTERS, {}).get("adapters", {})),
     )
 
 

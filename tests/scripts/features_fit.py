@@ -4,9 +4,10 @@ launcher, where ``ShardStrategy`` creates the process group, then the same fit u
     python tests/scripts/features_fit.py --devices 2 --steps 4 --url s3://bucket/run --root /tmp/features
     python tests/scripts/features_fit.py --devices 3 --steps 8 --url s3://bucket/run --root /tmp/features --resume
 
-Ours trains the test GPT with ``EMAWeightAveraging``, a ``GlobalBatchLoader`` (global batch 12) and a
-``ModelCheckpoint`` on the object-store URL (``--url``; credentials and endpoint from the environment), resuming
-from ``<url>/last.ckpt`` with ``--resume``. At the end it samples with ``lightning_shard.generate``: each rank a
+Ours trains the test GPT, its embeddings frozen, with ``EMAWeightAveraging``, a ``GlobalBatchLoader`` (global batch
+12) and a ``ModelCheckpoint`` on the object-store URL (``--url``; credentials and endpoint from the environment) under
+``save_trainable_only=True`` (the frozen embeddings are left out: the seeded build restores them), resuming from
+``<url>/last.ckpt`` with ``--resume``. At the end it samples with ``lightning_shard.generate``: each rank a
 different number of tokens with the weights kept sharded, then inside ``summon_full_params``. The DDP reference
 trains ``--steps`` steps from scratch with the same callback and loader and samples from its model. Each rank saves
 ``<root>/<shard|ddp>-<devices>-<rank>.pt``: its losses, the final weights, the sampled tokens.
@@ -53,10 +54,11 @@ class Sample(Callback):
 def fit(args: argparse.Namespace, ours: bool) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = LitModel("gpt")
+    module.model.wte.requires_grad_(False)  # with the test GPT's own frozen weights: a part that stays frozen
     sample = Sample()
     callbacks: list[Callback] = [EMAWeightAveraging(decay=0.8), sample]
     if ours:
-        strategy: Any = ShardStrategy(auto_wrap_policy={"GPTBlock"})
+        strategy: Any = ShardStrategy(auto_wrap_policy={"GPTBlock"}, save_trainable_only=True)
         callbacks.append(ModelCheckpoint(dirpath=args.url, every_n_train_steps=4, save_top_k=0, save_last=True))
     else:
         strategy = "ddp"
