@@ -9,6 +9,7 @@ costs one 4-byte all-reduce, whatever the world size.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -53,16 +54,35 @@ def broadcast_str(value: str) -> str:
 
 
 def gather_on_first_rank(record: Any, group: Any = None) -> list[Any] | None:
-    """Every rank's ``record``, in rank order, on the group's first rank (the one that writes an index); ``None`` on
-    the others, which send their record and receive nothing. Collective over ``group`` (the default group when
-    ``None``)."""
+    """Every rank's ``record`` (a JSON value), in rank order, on the group's first rank (the one that writes an
+    index); ``None`` on the others, which send their record and receive nothing. Collective over ``group`` (the
+    default group when ``None``): one all-reduce of the longest record's length, then one gather of the records as
+    bytes padded to it, so only the first rank's memory grows with the world size, and nothing is pickled."""
     if not _distributed(group):
         return [record]
+    data = json.dumps(record).encode()
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    longest = torch.tensor([len(data)], dtype=torch.int64, device=device)
     first = dist.get_rank(group) == 0
-    out: list[Any] | None = [None] * dist.get_world_size(group) if first else None
     with watching(RECORD.enter("checkpoint records to rank 0")):
-        dist.gather_object(record, out, group=group, group_dst=0)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+        payload = torch.zeros(_LENGTH_BYTES + int(longest.item()), dtype=torch.uint8)
+        payload[:_LENGTH_BYTES] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        payload[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        payload = payload.to(device)
+        received = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))] if first else None
+        dist.gather(payload, received, group=group, group_dst=0)
+    if received is None:
+        return None
+    out = []
+    for row in received:
+        row = row.cpu()
+        length = int(row[:_LENGTH_BYTES].view(torch.int64).item())
+        out.append(json.loads(bytes(row[_LENGTH_BYTES : _LENGTH_BYTES + length].numpy())))
     return out
+
+
+_LENGTH_BYTES = 8  # each gathered record starts with its length
 
 
 def _distributed(group: Any) -> bool:

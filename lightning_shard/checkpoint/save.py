@@ -19,6 +19,7 @@ non-empty directory without ``index.json``) is refused on every rank before anyt
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -155,9 +156,11 @@ class PreparedSave:
         if remote is not None:  # each rank uploads what it wrote, in parallel with the others
             write_local = _then_upload(write_local, tmp, remote)
         try:
-            records = gather_on_first_rank(agree(write_local, group), group)  # None but on rank 0
+            written = agree(write_local, group)
+            records = gather_on_first_rank([dataclasses.asdict(r) for r in written], group)  # None but on rank 0
             # Rank 0 finishes the directory; agree() so that a failure there is raised on every rank, not a hang.
-            agree(lambda: _finish(self, [r for rs in records for r in rs]) if records is not None else None, group)
+            agree(lambda: _finish(self, [FileRecord(**r) for rs in records for r in rs])
+                  if records is not None else None, group)
         except BaseException:
             if rank == 0 or remote is not None:  # a staging directory is every rank's to remove
                 shutil.rmtree(tmp, ignore_errors=True)
