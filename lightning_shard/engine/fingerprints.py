@@ -6,13 +6,16 @@ relies on the others being restored from where they came from, e.g. a pretrained
 fingerprint of each tensor it leaves out, and a load checks, before the next forward, that those tensors hold
 the values they held at the save; a job resumed on another world size must compute the same fingerprint.
 
-The fingerprint of a tensor is two 64-bit integers: the sum of its elements' bit patterns (each read as an
-integer of the element's width), and the sum of each bit pattern times a weight given by the element's position
-in the full tensor (its flat index modulo a prime, plus one), both modulo 2**64. Integer addition modulo 2**64
-gives the same bits in any order, so each rank sums the rows it holds and one all-reduce (replicas of a hybrid
-mesh, and all ranks but global rank 0 for buffers, add zeros) gives every rank the full tensor's fingerprint,
-however its rows are spread. Values that differ agree on both words only by a coincidence of odds about 2**-64;
-the position weight tells the same values in other places apart (rows moved, a transpose).
+The fingerprint of a tensor is two 64-bit integers. Read each element's bits as an integer of its width and
+view the tensor as rows (dim 0) of columns (the other dims flattened): the first word is the sum over rows of
+each row's sum times the row's weight, the second the sum over columns of each column's sum times the column's
+weight, a weight being the row's (column's) index in the full tensor modulo a prime, plus one; both modulo 2**64.
+Integer addition modulo 2**64 gives the same bits in any order, and both sums are sums over rows, so each rank
+sums the rows it holds and one all-reduce (replicas of a hybrid mesh, and all ranks but global rank 0 for
+buffers, add zeros) gives every rank the full tensor's fingerprint, however its rows are spread. Values that
+differ agree on both words only by a coincidence; the weights tell the same values in other rows or other
+columns apart (rows moved, a transpose). Each word is one reduction over the rank's rows, accumulated in 64 bits
+without a widened copy: a save or a check reads each weight once.
 """
 
 from __future__ import annotations
@@ -25,28 +28,27 @@ from torch import Tensor
 
 from lightning_shard.engine.param_shard import ShardedParam
 
-_POSITION_MODULUS = 1_000_003  # a prime: the position weights repeat only every million elements
-_CHUNK_ELEMENTS = 1 << 22  # elements widened to 64 bits at a time: bounded extra memory
+_POSITION_MODULUS = 1_000_003  # a prime: the weights repeat only every million rows (columns)
 _INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 Fingerprint = str  # 32 hexadecimal digits: the two words, as the checkpoint index stores them
 
 
-def local_fingerprint(values: Tensor, first_element: int) -> Tensor:
-    """The two words (int64) of ``values``, a run of elements of a tensor starting at flat index ``first_element``
-    of the full tensor (see [Note: fingerprints that do not depend on the world size])."""
-    flat = values.detach().contiguous().reshape(-1)
-    width = min(8, flat.element_size())
-    per_element = flat.element_size() // width  # complex128: two 64-bit words an element
-    bits = flat.view(torch.uint8).view(_INTEGER_OF_WIDTH[width])
-    first = first_element * per_element
-    words = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    for start in range(0, bits.numel(), _CHUNK_ELEMENTS):
-        chunk = bits[start : start + _CHUNK_ELEMENTS].to(torch.int64, copy=True)  # never the tensor itself
-        position = torch.arange(first + start, first + start + chunk.numel(), device=flat.device)
-        weight = position.remainder_(_POSITION_MODULUS).add_(1)
-        words[0] += chunk.sum()
-        words[1] += chunk.mul_(weight).sum()
+def local_fingerprint(values: Tensor, first_row: int) -> Tensor:
+    """The two words (int64) of ``values``, rows of a tensor starting at row ``first_row`` of the full tensor (a
+    0-dim tensor is one row of one column; see [Note: fingerprints that do not depend on the world size])."""
+    rows = values.detach().reshape(values.shape[0] if values.dim() else 1, -1)
+    if rows.dtype.is_complex or rows.element_size() > 8:
+        rows = torch.view_as_real(rows).reshape(rows.shape[0], -1) if rows.dtype.is_complex else rows
+    rows = rows.contiguous()
+    width = rows.element_size()
+    bits = rows.view(torch.uint8).view(_INTEGER_OF_WIDTH[width]) if width in _INTEGER_OF_WIDTH else rows
+    device = bits.device
+    row_weight = torch.arange(first_row, first_row + bits.shape[0], device=device).remainder_(_POSITION_MODULUS)
+    column_weight = torch.arange(bits.shape[1], device=device).remainder_(_POSITION_MODULUS)
+    words = torch.empty(2, dtype=torch.int64, device=device)
+    words[0] = (bits.sum(dim=1, dtype=torch.int64) * row_weight.add_(1)).sum()
+    words[1] = (bits.sum(dim=0, dtype=torch.int64) * column_weight.add_(1)).sum()
     return words
 
 
@@ -60,7 +62,7 @@ def fingerprints(
     global_rank = dist.get_rank() if dist.is_initialized() else 0
     none = torch.zeros(2, dtype=torch.int64, device=device)
     words = [
-        local_fingerprint(p.sharded, p.first_row * p.row_numel).to(device)
+        local_fingerprint(p.sharded, p.first_row).to(device)
         if replicate_rank == 0 and p.local_rows > 0 else none
         for p in params
     ]
