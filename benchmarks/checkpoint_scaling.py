@@ -190,8 +190,8 @@ def main() -> None:
             how = "real, gloo" if world in REAL_WORLDS else "simulated"
             ratio = f"{load['wall'] / base:.2f}x" if base else "-"
             print(f"| {world} | {how} | {(path / 'index.json').stat().st_size / 1024:.1f} KiB"
-                  f" | {len(list(path.iterdir()))} | {load['headers']}, {load['pieces']:,} | {load['wall']:.2f} s"
-                  f" | {load['cpu']:.2f} s | {ratio} | {inspected:.1f} s |")
+                  f" | {len(list(path.iterdir()))} | {load['headers']}, {load['pieces']:,} | {load['wall']:.3f} s"
+                  f" | {load['cpu']:.3f} s | {ratio} | {inspected:.1f} s |")
         print(f"\n| model | writer W | index.json | share of the {MAX_JSON_BYTES >> 20} MiB limit |")
         print("|---|---|---|---|")
         for model, world, size in _index_sizes():

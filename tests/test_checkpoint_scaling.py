@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import struct
+import types
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -168,9 +171,16 @@ def test_consolidate_and_inspect_read_each_header_once(
     assert sorted(reads) == sorted(p.name for p in tall["path"].glob("shard-*.safetensors"))
 
 
-READ_PATHS = {"runs scattered": {}, "runs scattered, 2 buffers a call": {"_IOV_MAX": 2},
-              "runs buffered": {"_scatters": lambda group: False},
-              "runs through 40 bytes": {"_scatters": lambda group: False, "_SPAN_BYTES": 40},
+_NOT_A_FILE_AT_A_TIME = {"_checked_parts": lambda group, segment: None}  # as files without running CRC-32s are read
+READ_PATHS = {"runs scattered": {"_SCATTER_PIECE_BYTES": 0},
+              "runs scattered, 2 buffers a call": {"_IOV_MAX": 2, "_SCATTER_PIECE_BYTES": 0},
+              "runs buffered": {"_scatters": lambda group: False, **_NOT_A_FILE_AT_A_TIME},
+              "runs through 40 bytes": {"_scatters": lambda group: False, "_SPAN_BYTES": 40, **_NOT_A_FILE_AT_A_TIME},
+              "runs checked a file at a time": {},
+              "runs checked a file at a time, gaps skipped": {"_CRC_GAP_BYTES": 0},
+              "runs checked a file at a time, gaps skipped, 2 buffers a call": {"_CRC_GAP_BYTES": 0, "_IOV_MAX": 2},
+              "runs checked a file at a time, buffered": {"_scatters": lambda group: False},
+              "runs checked a file at a time, through 40 bytes": {"_scatters": lambda group: False, "_SPAN_BYTES": 40},
               "no runs": {"_RUN_PIECE_BYTES": 0}}
 
 
@@ -181,7 +191,9 @@ def test_any_rows_of_a_split_tensor_read_exactly_as_saved(
     """Every [start, stop) of every tensor: pieces cut at either end, whole pieces in runs across files whose
     headers differ (shards 0-1 hold rows of a 2-row weight, shard 5 a short piece, shard 6 nothing); read by each
     path: runs scattered into their targets (``preadv``, also 2 buffers a call), runs through a buffer (and one of 40
-    bytes: windows of one file, segments of one piece), every piece on its own."""
+    bytes: windows of one file, segments of one piece), each piece checked on its own or a file's pieces with one
+    CRC-32 call (their spans read by ``preadv``, the bytes between them skipped, or by one read), every piece on its
+    own."""
     from lightning_shard.checkpoint import reader
 
     for name, value in READ_PATHS[path].items():
@@ -229,6 +241,139 @@ def test_a_corrupted_piece_among_many_is_named_by_its_file(
     assert inspect(ckpt).problems == problems
     monkeypatch.setattr(consolidate_module, "_BLOCK_BYTES", 7)  # pieces across blocks of the file
     assert inspect(ckpt).problems == problems
+
+
+# Files read with one CRC-32 call each (see [Note: one checksum a file read] in lightning_shard/checkpoint/reader.py)
+
+
+def _edit_header(path: Path, edit: Any) -> None:
+    """Apply ``edit`` to the JSON header of the safetensors file ``path``, in place: the header keeps its length
+    (padded with spaces, as the writer pads it), so the data does not move and the index's size still holds."""
+    data = bytearray(path.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    data[8 : 8 + length] = text + b" " * (length - len(text))
+    path.write_bytes(bytes(data))
+
+
+def _linear_16(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    """A Linear(4, 64) saved as 16 ranks save it: 4 rows of the weight (64 bytes) and of the bias (16 bytes) a file."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64))
+    return model, simulate_save(tmp_path / "ckpt", model, 16)
+
+
+def _read_all(ckpt: Path) -> dict[str, torch.Tensor]:
+    tensors = read_index(ckpt)["tensors"]
+    reads = RowReads()
+    for key in ("model/0.weight", "model/0.bias"):
+        reads.add(tensors[key], 0, 64)
+    weight, bias = reads.run()
+    return {"0.weight": weight, "0.bias": bias}
+
+
+def _counting_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the reader's CRC-32 calls, and its calls of the functions that check pieces on their own."""
+    from lightning_shard.checkpoint import reader
+
+    calls = {"crc32": 0, "pieces checked on their own": 0}
+
+    def counting(name: str, real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls[name] += 1
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(reader, "zlib", types.SimpleNamespace(crc32=counting("crc32", zlib.crc32)))
+    monkeypatch.setattr(reader, "_scatter", counting("pieces checked on their own", reader._scatter))
+    monkeypatch.setattr(reader, "_check_pieces_of", counting("pieces checked on their own", reader._check_pieces_of))
+    return calls
+
+
+def test_a_shard_file_records_the_running_crc32_of_its_data_at_each_tensor_end(tmp_path: Path) -> None:
+    model, optimizer = trained_plain(TinyGPT)
+    ckpt = simulate_save(tmp_path / "ckpt", model, 2, [optimizer])
+    for shard in sorted(ckpt.glob("shard-*.safetensors")):
+        raw = shard.read_bytes()
+        length = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8 : 8 + length])
+        metadata, data = header.pop("__metadata__"), raw[8 + length :]
+        in_order = sorted(header, key=lambda key: header[key]["data_offsets"])
+        running = metadata["crc32_running"]
+        assert len(running) == 8 * len(in_order)
+        for i, key in enumerate(in_order):
+            assert int(running[8 * i : 8 * i + 8], 16) == zlib.crc32(data[: header[key]["data_offsets"][1]]), key
+        assert int(running[-8:], 16) == zlib.crc32(data)  # the last: the whole data section
+
+
+def test_small_pieces_are_checked_with_one_crc32_call_a_file_and_a_corrupted_byte_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, ckpt = _linear_16(tmp_path)
+    calls = _counting_calls(monkeypatch)
+    for name, value in _read_all(ckpt).items():
+        assert torch.equal(value, model.state_dict()[name]), name
+    assert calls == {"crc32": 16, "pieces checked on their own": 0}  # 32 pieces, one call a file
+    shard = ckpt / shard_file_name(9, 16)
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 0x01  # one bit of the weight's piece (the bias is the last 16 bytes)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: 'model/0\.weight' does not match"):
+        _read_all(ckpt)
+
+
+@pytest.mark.parametrize("damage", ["other digits", "not hex", "too short", "a number"])
+def test_a_damaged_running_crc32_in_a_header_is_refused(tmp_path: Path, damage: str) -> None:
+    _, ckpt = _linear_16(tmp_path)
+    shard = ckpt / shard_file_name(9, 16)
+
+    def edit(header: dict[str, Any]) -> None:
+        running = header["__metadata__"]["crc32_running"]
+        header["__metadata__"]["crc32_running"] = {
+            "other digits": running[:-8] + f"{int(running[-8:], 16) ^ 1:08x}",  # the whole data section's
+            "not hex": running[:-1] + "g", "too short": running[:-8], "a number": 7}[damage]
+
+    _edit_header(shard, edit)
+    if damage == "other digits":  # the data and each tensor's CRC-32 agree: the running CRC-32 is what is damaged
+        message = rf"{shard.name} is corrupted: its tensor data do not match the running CRC-32s its header records"
+    else:
+        message = rf"{shard.name}: the header's 'crc32_running' metadata is not 8 hex digits for each of its 2 tensors"
+    with pytest.raises(CheckpointError, match=message):
+        _read_all(ckpt)
+
+
+def _strip_running_crc32s(ckpt: Path) -> None:
+    """Make ``ckpt``'s shard files what a save wrote before the running CRC-32s were recorded."""
+    for shard in ckpt.glob("shard-*.safetensors"):
+        _edit_header(shard, lambda header: header["__metadata__"].pop("crc32_running"))
+
+
+def test_files_without_running_crc32s_are_read_checking_each_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, ckpt = _linear_16(tmp_path)
+    _strip_running_crc32s(ckpt)
+    calls = _counting_calls(monkeypatch)
+    for name, value in _read_all(ckpt).items():
+        assert torch.equal(value, model.state_dict()[name]), name
+    assert calls == {"crc32": 32, "pieces checked on their own": 16}  # one call a piece; 16 files
+    shard = ckpt / shard_file_name(9, 16)
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: 'model/0\.bias' does not match"):
+        _read_all(ckpt)
+
+
+def test_a_checkpoint_without_running_crc32s_loads_on_2_ranks_with_exactly_its_tensors(tmp_path: Path) -> None:
+    model, optimizer = trained_plain(TallGPT)
+    ckpt = simulate_save(tmp_path / "ckpt", model, 64, [optimizer], {"step": 1})
+    _strip_running_crc32s(ckpt)
+    for loaded in run_on_ranks(load_counting, 2, str(ckpt), TallGPT):
+        _assert_equal_states(loaded, plain_state(model, optimizer))
 
 
 def test_a_version_1_checkpoint_still_loads_at_any_world_size() -> None:

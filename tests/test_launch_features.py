@@ -2,8 +2,9 @@
 Lightning's own launcher, where ``ShardStrategy`` creates the process group, against DDP in the same process.
 
 A 2-rank job trains with ``EMAWeightAveraging`` and a ``GlobalBatchLoader``, checkpointing to ``s3://`` (the S3 test
-server on 127.0.0.1) with ``save_trainable_only=True`` (frozen embeddings left out), and samples with ``generate`` (sharded weights, a different length per rank) and inside
-``summon_full_params``; a 3-rank job resumes from the bucket's ``last.ckpt`` to the uninterrupted DDP run.
+server on 127.0.0.1) with ``save_trainable_only=True`` (frozen embeddings left out), and samples with ``generate``
+(sharded weights, a different length per rank) and inside ``summon_full_params``; a 3-rank job resumes from the
+bucket's ``last.ckpt`` to the uninterrupted DDP run.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ every tensor it holds in its own header. ``index.py`` reads and writes ``index.j
 
 from __future__ import annotations
 
+import binascii
 import io
 import json
 import os
@@ -24,8 +25,9 @@ import re
 import stat
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TypeGuard
 
@@ -44,6 +46,7 @@ TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 MODEL_PREFIX = "model/"  # index keys of model tensors: "model/" + LightningModule state_dict key
 OPTIMIZER_PREFIX = "optimizer/"  # "optimizer/{i}/{parameter name}/{state name}"
 CRC32_METADATA = "crc32"  # a header's "__metadata__" entry: each tensor's CRC-32, 8 hex digits, in data order
+RUNNING_CRC32_METADATA = "crc32_running"  # ... and at each tensor's end, the CRC-32 of the data section up to there
 
 # The one limit on a checkpoint's JSON members (index.json, trainer_state.json): a load refuses a larger one, and a
 # save refuses to write one, before anything is committed. An index of the current version grows with tensors + files
@@ -256,26 +259,90 @@ class TensorTable:
     raw: dict[str, Any] = field(repr=False)  # the JSON it was checked from: a later file's table is compared with it
     data_bytes: int
     text: bytes = field(repr=False)  # the header's bytes, checksums included
-    crc_digits: tuple[int, int] | None  # where in ``text`` the checksums' hex digits lie (a JSON string's content)
+    crc_digits: ChecksumDigits | None  # where in ``text`` the checksums' hex digits lie; None: not where the writer
+    # puts them (then an equal header is parsed again)
 
     def same_but_checksums(self, text: bytes, data_bytes: int) -> bool:
         """Whether a header of ``text`` (for ``data_bytes`` of data) is this one but for the checksums' hex digits:
         then it parses to this table (the digits are checked to be hex by ``_checksums``)."""
-        if data_bytes != self.data_bytes or len(text) != len(self.text):
+        if data_bytes != self.data_bytes or len(text) != len(self.text) or self.crc_digits is None:
             return False
-        if self.crc_digits is None:
-            return text == self.text
-        p, q = self.crc_digits
-        return text[:p] == self.text[:p] and text[q:] == self.text[q:]
+        at = 0
+        for p, q in self.crc_digits.spans():
+            if text[at:p] != self.text[at:p]:
+                return False
+            at = q
+        return text[at:] == self.text[at:]
+
+    @cached_property
+    def positions(self) -> dict[str, int]:
+        """Each tensor's position in ``in_order``."""
+        return {key: i for i, key in enumerate(self.in_order)}
+
+    @cached_property
+    def position_ending_at(self) -> dict[int, int]:
+        """For each offset of the data section where a tensor ends, the position (in ``in_order``) of one that does:
+        where a running CRC-32 is recorded."""
+        return {self.entries[key].end: i for i, key in enumerate(self.in_order)}
+
+
+class ChecksumDigits(NamedTuple):
+    """Where in a header's bytes the hex digits of its checksums lie (JSON strings' contents), each ``None`` when the
+    header records no such checksums."""
+
+    tensors: tuple[int, int] | None  # the ``"crc32"`` metadata
+    running: tuple[int, int] | None  # the ``"crc32_running"`` metadata
+
+    def spans(self) -> list[tuple[int, int]]:
+        return [span for span in self if span is not None]
+
+    def of(self, text: bytes) -> tuple[bytes | None, bytes | None]:
+        """The digits of both in ``text`` (a header laid out as the one these places were found in)."""
+        tensors, running = self
+        return (text[tensors[0] : tensors[1]] if tensors else None,
+                text[running[0] : running[1]] if running else None)
+
+
+class Checksums(Mapping[str, int]):
+    """The CRC-32s a header records, one per tensor of its table (tensor key -> CRC-32; ``at`` by position in data
+    order), kept as the 4-byte words the hex digits spell: a load reads the headers of hundreds of files but looks up
+    few of their checksums, so none is unpacked before it is asked for."""
+
+    __slots__ = ("words", "_table")
+
+    def __init__(self, words: bytes, table: TensorTable) -> None:
+        self.words = words  # big-endian, in the order of the table's data; empty when none is recorded
+        self._table = table
+
+    def at(self, position: int) -> int:
+        return int.from_bytes(self.words[4 * position : 4 * position + 4], "big")
+
+    def __getitem__(self, key: str) -> int:
+        if not self.words:
+            raise KeyError(key)
+        return self.at(self._table.positions[key])
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        position = self._table.positions.get(key) if self.words else None
+        return self.at(position) if position is not None else default
+
+    def __len__(self) -> int:
+        return len(self.words) // 4
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table.in_order if self.words else ())
 
 
 class SafetensorsHeader(NamedTuple):
-    """A safetensors file's tensor table, where its data section starts, and the CRC-32 of each tensor its metadata
-    records (none in files this package did not write)."""
+    """A safetensors file's tensor table, where its data section starts, the CRC-32 of each tensor its metadata
+    records (none in files this package did not write), and the running CRC-32 of its data section at each tensor's
+    end, in data order (``None`` in files written before it was recorded; see [Note: one checksum a file read] in
+    ``reader.py``)."""
 
     data_start: int
     table: TensorTable
-    crc32: dict[str, int]
+    crc32: Checksums
+    running_crc32: Checksums | None = None
 
     @property
     def entries(self) -> dict[str, HeaderEntry]:
@@ -301,9 +368,9 @@ def read_header(f: BinaryIO, path: Path | str, size: int, like: TensorTable | No
             f"Checkpoint file {path} claims a {length}-byte header but holds {size} bytes in all: it is damaged."
         )
     text, data_bytes = f.read(length), size - 8 - length
-    if like is not None and like.same_but_checksums(text, data_bytes):  # no JSON to parse: the digits alone
-        digits = text[like.crc_digits[0] : like.crc_digits[1]] if like.crc_digits else None
-        return SafetensorsHeader(8 + length, like, _checksums(path, digits, like))
+    if like is not None and like.crc_digits is not None and like.same_but_checksums(text, data_bytes):
+        digits, running = like.crc_digits.of(text)  # no JSON to parse: the digits alone
+        return SafetensorsHeader(8 + length, like, _checksums(path, digits, like), _running(path, running, like))
     try:
         header = json.loads(text)
     except (ValueError, RecursionError) as err:
@@ -313,13 +380,15 @@ def read_header(f: BinaryIO, path: Path | str, size: int, like: TensorTable | No
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not isinstance(metadata, dict):
         raise CheckpointError(f"Checkpoint file {path} has a header whose '__metadata__' is not a table of strings.")
-    digits = (metadata or {}).get(CRC32_METADATA)
+    digits, running = (metadata or {}).get(CRC32_METADATA), (metadata or {}).get(RUNNING_CRC32_METADATA)
     same = like is not None and like.data_bytes == data_bytes and like.raw == header  # compared in C
-    table = like if same and like is not None else _checked_table(path, header, data_bytes, text, digits)
-    return SafetensorsHeader(8 + length, table, _checksums(path, digits, table))
+    table = like if same and like is not None else _checked_table(path, header, data_bytes, text, digits, running)
+    return SafetensorsHeader(8 + length, table, _checksums(path, digits, table), _running(path, running, table))
 
 
-def _checked_table(path: Path | str, header: dict[str, Any], data_bytes: int, text: bytes, digits: Any) -> TensorTable:
+def _checked_table(
+    path: Path | str, header: dict[str, Any], data_bytes: int, text: bytes, digits: Any, running: Any
+) -> TensorTable:
     entries = {}
     for key, info in header.items():  # one entry per tensor, thousands per load: a tight loop, no call per entry
         try:
@@ -341,35 +410,55 @@ def _checked_table(path: Path | str, header: dict[str, Any], data_bytes: int, te
             )
         entries[key] = HeaderEntry(dtype, tuple(shape), begin, end)
     in_order = tuple(sorted(entries, key=lambda key: (entries[key].begin, entries[key].end)))
-    return TensorTable(entries, in_order, header, data_bytes, text, _digits_span(text, digits))
+    return TensorTable(entries, in_order, header, data_bytes, text, _digits_spans(text, digits, running))
 
 
-def _digits_span(text: bytes, digits: Any) -> tuple[int, int] | None:
-    """Where the checksums' digits lie in the header ``text`` (this package's writer puts them first, compactly)."""
+def _digits_spans(text: bytes, digits: Any, running: Any) -> ChecksumDigits | None:
+    """Where the checksums' digits lie in the header ``text``: this package's writer puts them first, compactly, the
+    tensors' then the running ones. ``None`` when the header records checksums elsewhere."""
+    if digits is None and running is None:
+        return ChecksumDigits(None, None)
     marker = f'{{"__metadata__":{{"{CRC32_METADATA}":"'.encode()
     if not isinstance(digits, str) or not text.startswith(marker):
         return None
     p = len(marker)
     q = p + len(digits)
-    return (p, q) if text[p:q] == digits.encode() and text[q : q + 1] == b'"' else None
+    if text[p:q] != digits.encode() or text[q : q + 1] != b'"':
+        return None
+    if running is None:
+        return ChecksumDigits((p, q), None)
+    between = f'","{RUNNING_CRC32_METADATA}":"'.encode()
+    r = q + len(between)
+    if not isinstance(running, str) or text[q:r] != between:
+        return None
+    e = r + len(running)
+    return ChecksumDigits((p, q), (r, e)) if text[r:e] == running.encode() and text[e : e + 1] == b'"' else None
 
 
-def _checksums(path: Path | str, digits: str | bytes | None, table: TensorTable) -> dict[str, int]:
+def _checksums(path: Path | str, digits: Any, table: TensorTable) -> Checksums:
     """The CRC-32s a header's metadata records: 8 hex digits per tensor, in the order of their data."""
-    if digits is None:
-        return {}
+    return Checksums(_hex_words(path, digits, table, CRC32_METADATA) if digits is not None else b"", table)
+
+
+def _running(path: Path | str, digits: Any, table: TensorTable) -> Checksums | None:
+    """The running CRC-32s a header's metadata records: 8 hex digits per tensor, in the order of their data."""
+    return Checksums(_hex_words(path, digits, table, RUNNING_CRC32_METADATA), table) if digits is not None else None
+
+
+def _hex_words(path: Path | str, digits: Any, table: TensorTable, key: str) -> bytes:
+    """``digits`` (the metadata ``key``): 8 hex digits (no other character) for each tensor of ``table``, as 4 bytes
+    each."""
     count = len(table.in_order)
     try:
-        raw = bytes.fromhex(digits.decode("ascii") if isinstance(digits, bytes) else digits)
-        values = struct.unpack(f">{count}I", raw) if len(digits) == 8 * count else None
-    except (TypeError, ValueError, UnicodeDecodeError, struct.error):
-        values = None
-    if values is None:
+        words = binascii.unhexlify(digits.encode("ascii") if isinstance(digits, str) else digits)
+    except (TypeError, ValueError):  # not a string, not ASCII, not hex digits only (all ValueErrors but the first)
+        words = None
+    if words is None or len(words) != 4 * count:
         raise CheckpointError(
-            f"Checkpoint file {path}: the header's {CRC32_METADATA!r} metadata is not 8 hex digits for each of its"
+            f"Checkpoint file {path}: the header's {key!r} metadata is not 8 hex digits for each of its"
             f" {count} tensors: it is damaged."
         )
-    return dict(zip(table.in_order, values))
+    return words
 
 
 class CheckpointFiles:

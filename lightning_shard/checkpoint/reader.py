@@ -9,7 +9,8 @@ A load names, for each tensor, the rows this rank holds and the tensor to read t
    every piece against it (key, dtype, shape). Nothing is allocated or read before this pass has passed.
 2. Read: file by file, each file opened once, each piece's bytes read straight into its destination when dtype and
    device allow (else into a buffer, then copied), a piece read whole checked against its CRC-32; small whole pieces
-   of consecutive shard files in runs, a few large reads for many pieces (see [Note: runs of pieces]).
+   of consecutive shard files in runs, a few large reads for many pieces (see [Note: runs of pieces]), small pieces
+   checked a file at a time, not a piece at a time (see [Note: one checksum a file read]).
 
 So a rank opens only the files that hold its rows and its work grows with its own pieces, whatever world size
 wrote the checkpoint. Rows are read with plain file reads, not through a memory map: the process holds only the
@@ -21,10 +22,13 @@ from __future__ import annotations
 
 import bisect
 import io
+import itertools
 import math
 import os
+import struct
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn, cast
 
@@ -33,8 +37,10 @@ import torch
 from torch import Tensor
 
 from lightning_shard.checkpoint.format import (
+    RUNNING_CRC32_METADATA,
     CheckpointError,
     CheckpointFiles,
+    Checksums,
     SafetensorsHeader,
     TensorTable,
     is_remote,
@@ -122,7 +128,24 @@ class _Run(NamedTuple):
 # land one after the other in the target. Pass 1 reads the header of each shard file the rank needs once, groups the
 # files by table, and checks one piece of each run in full; pass 2 reads each file's span in one call, scattered
 # straight into the targets (``preadv``; where there is none, into one row of a 2-D buffer, a window of files at a
-# time, each run's pieces then copied at once). What is left per piece is its CRC-32 and a few Python operations.
+# time, each run's pieces then copied at once). What is left per piece is its CRC-32 and a few Python operations;
+# for small pieces, not even that (see [Note: one checksum a file read]).
+
+# [Note: one checksum a file read]
+# Checking ~100,000 small pieces one CRC-32 at a time costs a Python call and a view each (and one more view each for
+# the ``preadv`` list). A file written with checksums records, beside each tensor's CRC-32 (``"crc32"``), the running
+# CRC-32 of its data section at each tensor's end (``"crc32_running"``: the CRC-32 of the bytes from the section's
+# start through that tensor; the last one is the whole section's). The bytes from where one tensor ends to where a
+# later one ends are checked with one ``zlib.crc32`` call: continued from the running CRC-32 where they start, it must
+# give the running CRC-32 where they end. So where every file of a group records them and the pieces are small
+# (``_SCATTER_PIECE_BYTES``), the group's shards are split into parts whose files the same runs read from; in each
+# part's files the runs' pieces lie in a few spans (pieces at most ``_CRC_GAP_BYTES`` apart share one, the bytes
+# between them checked too); each file's spans are read in one call (``preadv``, the bytes between spans into a small
+# buffer, not kept) into one row of the scratch buffer, a window of files at a time, each span is checked with one
+# call, and each run's pieces are copied out of the window at once. A mismatch is named by the file, and by the
+# tensor whose own CRC-32 fails, when one does. Large pieces are still scattered straight into their targets and
+# checked one by one (a call a piece costs less than copying them), and files written before the running CRC-32s
+# were recorded are read as before, each piece checked against its own CRC-32.
 
 
 class RowReads:
@@ -187,7 +210,10 @@ class RowReads:
         whole_to = min(last if min(rows, (last + 1) * per) <= t.stop else last - 1, rows // per - 1)  # ... and full
         if per * math.prod(entry.row_shape) * entry.dtype.itemsize > _RUN_PIECE_BYTES:
             whole_to = whole_from - 1  # large pieces: each read straight into its target, in one call of its own
-        edges = [placement.piece(s) for s in range(first, last + 1) if not whole_from <= s <= whole_to]
+        if whole_from <= whole_to:  # the pieces at either end, cut or short
+            edges = [placement.piece(s) for s in (*range(first, whole_from), *range(whole_to + 1, last + 1))]
+        else:
+            edges = [placement.piece(s) for s in range(first, last + 1)]
         self._check_pieces(i, t, edges, by_file)
         if whole_from <= whole_to:
             whole.append((i, whole_from, whole_to))
@@ -259,6 +285,10 @@ class RowReads:
 _GAP_BYTES = 64 * 2**10  # reads of one file closer than this are one read (fewer calls; little read twice)
 _SPAN_BYTES = 16 * 2**20  # ... up to this much at a time; and the buffer runs are read through
 _RUN_PIECE_BYTES = 2**20  # pieces up to this size are read in runs; a larger one alone, straight into its target
+_CRC_GAP_BYTES = 4 * 2**10  # pieces read this close are checked in one CRC-32 call, the bytes between them too
+_SCATTER_PIECE_BYTES = 32 * 2**10  # runs of pieces this large on average are scattered by preadv, each piece checked
+# on its own (a CRC-32 call a piece costs less than copying it out of a buffer); smaller ones go through the buffer,
+# one CRC-32 a file (see [Note: one checksum a file read])
 
 
 def _gap_bytes(files: CheckpointFiles) -> int:
@@ -331,46 +361,195 @@ def _read_group(
 ) -> None:
     """The pieces of ``runs`` from the files of ``group``. Their bytes lie at the same places in every file of the
     group: the places are joined into segments (pieces at most ``_gap_bytes`` apart, at most ``scratch``'s size).
-    Each file's segment is read in one call: scattered straight into the targets where the system can (``preadv``,
-    the bytes between pieces into ``scratch``), else into one row of a 2-D buffer, a window of files at a time,
-    from which each run's pieces are copied to its target at once. Every piece is checked against its CRC-32."""
-    checksums = _checksums_of(group)
+    Each file's segment is read in one call. Small pieces, from files that record running CRC-32s, go through a 2-D
+    buffer, a window of files at a time, each file checked with a CRC-32 call or a few (see [Note: one checksum a
+    file read]). Else they are scattered straight into the targets where the system can (``preadv``, the bytes
+    between pieces into ``scratch``), or go through the 2-D buffer, and every piece is checked against its CRC-32.
+    From the buffer, each run's pieces are copied to its target at once."""
     segments: list[list[_Run]] = []
-    gap = _gap_bytes(group.files)
+    gap, end = _gap_bytes(group.files), 0  # of the last segment
     for run in sorted(runs, key=lambda run: run.begin):
-        near = segments and run.begin - _end(segments[-1]) <= gap
+        near = segments and run.begin - end <= gap
         if near and run.begin + run.nbytes - segments[-1][0].begin <= len(scratch):
             segments[-1].append(run)
         else:
             segments.append([run])
+        end = max(end, run.begin + run.nbytes)
+    running = all(header.running_crc32 is not None for header in group.headers)
+    checksums = None
     for segment in segments:
         lo, hi = segment[0].begin, _end(segment)
-        if _scatters(group):
+        scatter = _scatters(group) and (not running or hi - lo >= _SCATTER_PIECE_BYTES * len(segment))
+        parts = None if scatter or not running else _checked_parts(group, segment)
+        if parts is not None:
+            for part in parts:
+                read = _part_reader(group, part, pool)
+                for w0, block in _windows(group, part.first, part.last, part.lo, part.hi, scratch, read):
+                    _copy_runs(part.runs, w0, block, part.lo, arrays)
+            continue
+        if checksums is None:
+            checksums = _checksums_of(group)
+        if scatter:
             for shard in range(group.first, group.last + 1):
                 _scatter(group, shard, segment, lo, views, pool, scratch, checksums)
             continue
-        rows = max(1, len(scratch) // (hi - lo))
-        for w0 in range(group.first, group.last + 1, rows):
-            w1 = min(group.last, w0 + rows - 1)
-            need = (w1 - w0 + 1) * (hi - lo)  # beyond the scratch buffer only if one piece is
-            block = (scratch[:need] if need <= len(scratch) else np.empty(need, np.uint8)).reshape(w1 - w0 + 1, -1)
-            for j in range(w1 - w0 + 1):
-                if any(run.first <= w0 + j <= run.last for run in segment):
-                    _read_into(group, pool, w0 + j, lo, block[j])
-            flat = memoryview(cast(Any, block.reshape(-1)))
-            for run in segment:
-                a, b = max(run.first, w0), min(run.last, w1)
-                if a > b:
-                    continue
-                if checksums is not None:  # each piece's CRC-32, from the buffer's bytes: no view per piece
-                    first, stride, n = (a - w0) * (hi - lo) + run.begin - lo, hi - lo, run.nbytes
-                    actual = [zlib.crc32(flat[o : o + n]) for o in range(first, first + (b - a + 1) * stride, stride)]
-                    crcs, column = checksums
-                    if actual != crcs[a - group.first : b - group.first + 1, column[run.key]].tolist():
-                        _corrupted(group, run, a, block[a - w0 : b - w0 + 1, run.begin - lo : run.begin - lo + n])
-                pieces = block[a - w0 : b - w0 + 1, run.begin - lo : run.begin - lo + run.nbytes]
-                at = run.at + (a - run.first) * run.nbytes
-                arrays[run.target][at : at + (b - a + 1) * run.nbytes].reshape(b - a + 1, run.nbytes)[...] = pieces
+        needed = _needed(group, segment)
+
+        def read(shard: int, row: Any, lo: int = lo, needed: list[int] = needed) -> None:
+            if needed[shard - group.first]:
+                _read_into(group, pool, shard, lo, row)
+
+        for w0, block in _windows(group, group.first, group.last, lo, hi, scratch, read):
+            if checksums is not None:
+                _check_pieces_of(group, segment, w0, block, lo, checksums)
+            _copy_runs(segment, w0, block, lo, arrays)
+
+
+def _windows(
+    group: _Group, first: int, last: int, lo: int, hi: int, scratch: Any, read: Callable[[int, Any], None]
+) -> Iterator[tuple[int, Any]]:
+    """Bytes ``[lo, hi)`` of the data sections of the files of shards ``first..last`` of ``group``, a window of files
+    at a time: (the window's first shard, a files x bytes array whose rows ``read`` (shard, row) fills)."""
+    rows = max(1, len(scratch) // max(1, hi - lo))
+    for w0 in range(first, last + 1, rows):
+        w1 = min(last, w0 + rows - 1)
+        need = (w1 - w0 + 1) * (hi - lo)  # beyond the scratch buffer only if one piece is
+        block = (scratch[:need] if need <= len(scratch) else np.empty(need, np.uint8)).reshape(w1 - w0 + 1, -1)
+        for j in range(w1 - w0 + 1):
+            read(w0 + j, block[j])
+        yield w0, block
+
+
+def _needed(group: _Group, segment: list[_Run]) -> list[int]:
+    """For each shard of ``group``, how many runs of ``segment`` read from it."""
+    needed = [0] * (group.last - group.first + 2)
+    for run in segment:
+        needed[run.first - group.first] += 1
+        needed[run.last - group.first + 1] -= 1
+    return list(itertools.accumulate(needed))
+
+
+class _Part(NamedTuple):
+    """Shards ``first..last`` of a group, from each of whose files the same runs read, and the spans of their data
+    sections that hold those runs' pieces, each checked with one CRC-32 (see [Note: one checksum a file read])."""
+
+    first: int
+    last: int
+    runs: list[_Run]
+    spans: list[tuple[int, int, int, int]]  # [a, b) of the data section; the positions of the tensors ending at a
+    # (-1: a is 0) and at b, whose running CRC-32s check it
+
+    @property
+    def lo(self) -> int:
+        return self.spans[0][0]
+
+    @property
+    def hi(self) -> int:
+        return self.spans[-1][1]
+
+
+def _checked_parts(group: _Group, segment: list[_Run]) -> list[_Part] | None:
+    """``segment``'s shards in parts that read the same runs, each run's pieces in spans that start where a tensor
+    ends and end where one ends (runs at most ``_CRC_GAP_BYTES`` apart share one); ``None`` unless the files'
+    running CRC-32s check every span."""
+    cuts = sorted({run.first for run in segment} | {run.last + 1 for run in segment})
+    ending_at = group.table.position_ending_at
+    parts = []
+    for first, stop in zip(cuts, cuts[1:]):
+        runs = [run for run in segment if run.first <= first and stop - 1 <= run.last]  # sorted by place
+        if not runs:
+            continue
+        spans: list[tuple[int, int, int, int]] = []
+        for run in runs:
+            a, b = run.begin, run.begin + run.nbytes
+            if spans and a - spans[-1][1] <= _CRC_GAP_BYTES:
+                a = spans.pop()[0]
+            before, through = ending_at.get(a, -1 if a == 0 else None), ending_at.get(b)
+            if before is None or through is None:
+                return None
+            spans.append((a, b, before, through))
+        parts.append(_Part(first, stop - 1, runs, spans))
+    return parts
+
+
+def _part_reader(group: _Group, part: _Part, pool: FileHandles) -> Callable[[int, Any], None]:
+    """What reads ``part``'s bytes of a shard's file into a row and checks them: where the system can, the spans in
+    one ``preadv`` (the bytes between them into a small buffer, not kept), else the whole of ``[part.lo, part.hi)``;
+    then each span with one CRC-32 call."""
+    lo, hi = part.lo, part.hi
+    spans = [(a - lo, b - lo, 4 * before, 4 * through) for a, b, before, through in part.spans]  # in the row; words
+    gaps = [next_a - b for (_, b, _, _), (next_a, _, _, _) in zip(spans, spans[1:])]
+    scatter = _scatters(group) and len(spans) > 1 and 2 * len(spans) <= _IOV_MAX
+    junk = memoryview(cast(Any, np.empty(max(gaps, default=0) if scatter else 0, np.uint8)))
+    buffers: list[Any] = [None] * (2 * len(spans) - 1)  # the spans, and between them the bytes not kept
+    buffers[1::2] = [junk[:n] for n in gaps]
+
+    def read(shard: int, row: Any) -> None:
+        header = group.headers[shard - group.first]
+        data = memoryview(row)
+        if scatter:
+            buffers[::2] = [data[a:b] for a, b, _, _ in spans]
+            handle = pool.get(group.files, group.shard_files[shard])
+            if os.preadv(handle.fileno(), buffers, header.data_start + lo) != hi - lo:
+                _short(group, shard)
+        else:
+            _read_into(group, pool, shard, lo, row)
+        words = cast(Checksums, header.running_crc32).words
+        for a, b, before, through in spans:
+            start = _WORD.unpack_from(words, before)[0] if before >= 0 else 0  # the CRC-32 of the bytes before a
+            if zlib.crc32(data[a:b], start) != _WORD.unpack_from(words, through)[0]:
+                _corrupted_segment(group, shard, lo + a, data[a:b])
+
+    return read
+
+
+_WORD = struct.Struct(">I")  # a running CRC-32, in a header's ``Checksums.words``
+
+
+def _corrupted_segment(group: _Group, shard: int, lo: int, data: Any) -> NoReturn:
+    """Raise for bytes ``[lo, lo + len(data))`` of the data section of ``shard``'s file, which fail their running
+    CRC-32s: naming the first tensor among them whose own CRC-32 fails, if one does."""
+    header, path = group.headers[shard - group.first], group.files.directory / group.shard_files[shard]
+    for key in group.table.in_order:
+        entry, crc = group.table.entries[key], header.crc32.get(key)
+        inside = lo <= entry.begin and entry.end <= lo + len(data)
+        if inside and crc is not None and zlib.crc32(data[entry.begin - lo : entry.end - lo]) != crc:
+            raise CheckpointError(f"Checkpoint file {path} is corrupted: {key!r} does not match its checksum.")
+    raise CheckpointError(
+        f"Checkpoint file {path} is corrupted: its tensor data do not match the running CRC-32s its header records"
+        f" ({RUNNING_CRC32_METADATA!r})."
+    )
+
+
+def _check_pieces_of(
+    group: _Group, segment: list[_Run], w0: int, block: Any, lo: int, checksums: tuple[Any, dict[str, int]]
+) -> None:
+    """Check each piece of ``segment`` in the window ``block`` (shards ``w0``..) against its CRC-32, from the buffer's
+    bytes: no view per piece."""
+    w1, stride = w0 + block.shape[0] - 1, block.shape[1]
+    flat = memoryview(cast(Any, block.reshape(-1)))
+    crcs, column = checksums
+    for run in segment:
+        a, b = max(run.first, w0), min(run.last, w1)
+        if a > b:
+            continue
+        first, n = (a - w0) * stride + run.begin - lo, run.nbytes
+        actual = [zlib.crc32(flat[o : o + n]) for o in range(first, first + (b - a + 1) * stride, stride)]
+        if actual != crcs[a - group.first : b - group.first + 1, column[run.key]].tolist():
+            _corrupted(group, run, a, block[a - w0 : b - w0 + 1, run.begin - lo : run.begin - lo + n])
+
+
+def _copy_runs(segment: list[_Run], w0: int, block: Any, lo: int, arrays: list[Any]) -> None:
+    """Copy each run's pieces in the window ``block`` (shards ``w0``.., bytes from ``lo`` of each file's data section)
+    to its target, in one copy a run."""
+    w1 = w0 + block.shape[0] - 1
+    for run in segment:
+        a, b = max(run.first, w0), min(run.last, w1)
+        if a > b:
+            continue
+        pieces = block[a - w0 : b - w0 + 1, run.begin - lo : run.begin - lo + run.nbytes]
+        at = run.at + (a - run.first) * run.nbytes
+        arrays[run.target][at : at + (b - a + 1) * run.nbytes].reshape(b - a + 1, run.nbytes)[...] = pieces
 
 
 def _scatters(group: _Group) -> bool:
@@ -434,7 +613,8 @@ def _checksums_of(group: _Group) -> tuple[Any, dict[str, int]] | None:
     each tensor's column; ``None`` when the checkpoint records none."""
     if not group.files.checksums_in_headers:
         return None
-    crcs = np.array([list(header.crc32.values()) for header in group.headers], dtype=np.int64)  # in table order
+    words = np.frombuffer(b"".join(header.crc32.words for header in group.headers), dtype=">u4")
+    crcs = words.astype(np.int64).reshape(len(group.headers), -1)  # in table order
     return crcs, {key: i for i, key in enumerate(group.table.in_order)}
 
 
@@ -447,10 +627,14 @@ def _read_into(group: _Group, pool: FileHandles, shard: int, lo: int, row: Any) 
     handle = pool.get(group.files, group.shard_files[shard])
     handle.seek(header.data_start + lo)
     if handle.readinto(row) != len(row):
-        raise CheckpointError(
-            f"Checkpoint file {group.files.directory / group.shard_files[shard]} is shorter than its header says: it"
-            " is truncated."
-        )
+        _short(group, shard)
+
+
+def _short(group: _Group, shard: int) -> NoReturn:
+    raise CheckpointError(
+        f"Checkpoint file {group.files.directory / group.shard_files[shard]} is shorter than its header says: it is"
+        " truncated."
+    )
 
 
 def _corrupted(group: _Group, run: _Run, a: int, pieces: Any) -> NoReturn:

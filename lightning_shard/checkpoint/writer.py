@@ -14,7 +14,12 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.format import _SAFETENSORS_DTYPES, CRC32_METADATA, CheckpointError
+from lightning_shard.checkpoint.format import (
+    _SAFETENSORS_DTYPES,
+    CRC32_METADATA,
+    RUNNING_CRC32_METADATA,
+    CheckpointError,
+)
 
 
 def sha256_file(path: Path) -> str:
@@ -36,15 +41,20 @@ class SafetensorsStreamWriter:
     The header (names, dtypes, shapes, offsets) is written first from ``specs``; ``write`` must then be
     called once per tensor, in the order of ``specs``. With ``checksums``, the header's metadata records each
     tensor's CRC-32 (``"crc32"``: 8 hex digits per tensor, in the order of ``specs``, which is the order of their
-    data): written as zeros first, filled in by ``close`` (the same number of bytes, so the data does not move).
+    data) and, at each tensor's end, the CRC-32 of the data section from its start (``"crc32_running"``: 8 hex
+    digits per tensor, the last being the whole section's; see [Note: one checksum a file read] in ``reader.py``):
+    written as zeros first, filled in by ``close`` (the same number of bytes, so the data does not move).
     """
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, checksums: bool = False) -> None:
         self._metadata = dict(metadata or {})
         self._crcs: list[str] | None = ["0" * 8] * len(specs) if checksums else None
+        self._running = ["0" * 8] * len(specs)
+        self._running_crc = 0  # of every byte written so far
         if self._crcs is not None:
             self._metadata[CRC32_METADATA] = "".join(self._crcs)
+            self._metadata[RUNNING_CRC32_METADATA] = "".join(self._running)
         self._header: dict[str, Any] = {"__metadata__": self._metadata} if self._metadata else {}
         offset = 0
         self._expected: list[tuple[str, int]] = []
@@ -74,6 +84,8 @@ class SafetensorsStreamWriter:
         crc = zlib.crc32(data.data) & 0xFFFFFFFF
         if self._crcs is not None:
             self._crcs[self._next] = f"{crc:08x}"
+            self._running_crc = zlib.crc32(data.data, self._running_crc)
+            self._running[self._next] = f"{self._running_crc:08x}"
         self._next += 1
         return crc
 
@@ -87,6 +99,7 @@ class SafetensorsStreamWriter:
                 raise CheckpointError(f"Internal error: {len(self._expected) - self._next} tensors were not written.")
             if self._crcs is not None:
                 self._metadata[CRC32_METADATA] = "".join(self._crcs)
+                self._metadata[RUNNING_CRC32_METADATA] = "".join(self._running)
                 encoded = self._encoded_header()
                 assert len(encoded) == self._header_bytes, "8 hex digits replace 8 zeros: the header keeps its size"
                 self._file.seek(8)
