@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, submodule_prefix
+from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, read_json_object, submodule_prefix
 
 ADAPTERS = "adapters"  # the index's record (see [Note: adapters recorded at save time])
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -163,13 +163,7 @@ def adapters_to_export(
 
 
 def _read_adapter_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"Cannot read the adapter config {path}: {err}.") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} is not a JSON object; an adapter_config.json is one.")
-    return config
+    return read_json_object(path, "Adapter config")
 
 
 def adapter_directory(output_dir: Path, name: str) -> Path:

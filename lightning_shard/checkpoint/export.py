@@ -35,7 +35,7 @@ from lightning_shard.checkpoint.adapters import (
     temporary_directory_beside,
 )
 from lightning_shard.checkpoint.averaged import Weights, weights_prefix
-from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, submodule_prefix
+from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, read_json_object, submodule_prefix
 from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, read_index
 from lightning_shard.checkpoint.layout import StoredTensor, check_piece, require_complete
 from lightning_shard.checkpoint.reader import FileHandles, read_rows
@@ -330,12 +330,7 @@ def _write_config(source: Path, dest: Path, dtype: torch.dtype | None) -> None:
     if dtype is None:
         shutil.copyfile(source, dest)
         return
-    try:
-        config = json.loads(source.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"Export config file {source} is not readable JSON ({err}).") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"Export config file {source} is not a JSON object; a config.json is one.")
+    config = read_json_object(source, "Export config file")
     name = str(dtype).removeprefix("torch.")
     config["dtype"] = name  # what transformers writes and reads
     if "torch_dtype" in config:  # what older versions wrote and read

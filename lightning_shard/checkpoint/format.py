@@ -552,3 +552,15 @@ class CheckpointFiles:
             self._last_table = header.table
             self.headers_read.append(name)
         return header
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A small local JSON file that must hold an object (a ``config.json``, an ``adapter_config.json``); ``what``
+    names it in the ``CheckpointError`` a missing, unreadable or non-object file raises."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{what} {path} is not readable JSON ({err}).") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} {path} is not a JSON object; a {path.name} is one.")
+    return data
