@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
 import types
@@ -148,6 +149,32 @@ def test_a_checkpoint_of_1024_ranks_loads_on_2_reading_only_the_files_holding_th
         opened = {Path(p).name for p in loaded["opened"]}
         assert opened == files | {INDEX_FILE, "trainer_state.json", "trainer_state.safetensors"}
         assert len(files) < 0.6 * SIMULATED_WORLD, len(files)
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def loads_within_a_descriptor_limit(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """``load_counting`` of ``path`` with this process allowed only 96 descriptors more than it holds; the
+    descriptors it holds before and after."""
+    import resource
+
+    before = _open_descriptors()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (before + 96, hard))
+    try:
+        loaded = load_counting(rank, world_size, path, TallGPT)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return {**loaded, "before": before, "after": _open_descriptors()}
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd")
+def test_a_load_of_1024_files_holds_few_descriptors_and_closes_every_one(tall: dict[str, Any]) -> None:
+    for loaded in run_on_ranks(loads_within_a_descriptor_limit, 2, str(tall["path"])):
+        _assert_equal_states(loaded, tall["state"])
+        assert loaded["after"] == loaded["before"]
 
 
 def test_consolidate_and_inspect_read_each_header_once(
