@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model as trained, or the average a WeightAveraging callback kept (--format hf, peft)")
     x.add_argument("--adapter-config", default=None,
                    help="--format peft of a checkpoint that recorded no adapters: the LoRA adapter_config.json")
-    x.add_argument("--adapter-name", default="default", help="with --adapter-config: the adapter's name in the keys")
+    x.add_argument("--adapter-name", default=None,
+                   help="--format peft: the adapter to export (default: every recorded one; with --adapter-config:"
+                   " 'default')")
     x.add_argument("--base", default=None,
                    help="--format hf of a checkpoint with peft adapters: the base model's Hugging Face directory"
                    " (default: the adapter config's base_model_name_or_path, when it is a local directory)")
@@ -98,7 +100,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.format == "peft":
         return _export_peft(args)
     misplaced = [flag for flag, given in (("--adapter-config", args.adapter_config),
-                                          ("--adapter-name", args.adapter_name != "default")) if given]
+                                          ("--adapter-name", args.adapter_name)) if given]
     if misplaced:
         print(f"lightning-shard: {', '.join(misplaced)} only apply to --format peft.", file=sys.stderr)
         return 2

@@ -229,3 +229,23 @@ def test_an_ema_fit_saved_adapter_only_resumes_on_3_ranks_to_the_uninterrupted_a
     assert any(k.startswith("average/") for k in read_index(tmp_path / f"epoch=0-step={SAVE_EVERY}.ckpt")["tensors"])
     assert not torch.allclose(whole["final"], runs["ours"]["final"])  # the model ends as the average
     torch.testing.assert_close(resumed["final"], whole["final"])
+
+
+def test_options_a_recorded_export_cannot_honour_are_refused_not_ignored(
+    runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = str(checkpoint_at(runs, STEPS))
+    refused = {
+        "unknown adapter": ["--format", "peft", "--adapter-name", "other"],
+        "other prefix": ["--format", "peft", "--prefix", "net"],
+        "merge with --config": ["--format", "hf", "--config", str(Path(runs["pretrained"]) / "config.json")],
+        "merge with --prefix": ["--format", "hf", "--prefix", "model"],
+    }
+    for name, flags in refused.items():
+        assert main(["export", ckpt, str(tmp_path / name), *flags]) == 2, name
+        assert not (tmp_path / name).exists()
+    printed = capsys.readouterr().err
+    assert "not 'other'" in printed and "not under the prefix 'net'" in printed and "do not apply" in printed
+    named = tmp_path / "named"  # the recorded prefix and adapter, named explicitly: honoured
+    assert main(["export", ckpt, str(named), "--format", "peft", "--adapter-name", "default", "--prefix", "model"]) == 0
+    assert (named / "adapter_model.safetensors").is_file()

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,10 +117,11 @@ class AdapterExport:
 
 
 def adapters_to_export(
-    index: dict[str, Any], where: Any, adapter_config: str | Path | None, prefix: str, adapter_name: str
+    index: dict[str, Any], where: Any, adapter_config: str | Path | None, prefix: str, adapter_name: str | None
 ) -> list[AdapterExport]:
-    """The adapters of a checkpoint: its record, or (``adapter_config`` given) LoRA's naming rule applied to the keys
-    under ``prefix`` with the config read from that file."""
+    """The adapters of a checkpoint: those of its record (``adapter_name``: only that one), or (``adapter_config``
+    given) LoRA's naming rule applied to the keys under ``prefix`` for ``adapter_name`` (``"default"`` when
+    ``None``), with the config read from that file."""
     if adapter_config is None:
         record = index.get(ADAPTERS)
         if record is None:
@@ -132,8 +131,17 @@ def adapters_to_export(
                 " PeftModel with --prefix."
             )
         check_adapters_record(where, record)
+        if prefix and submodule_prefix(prefix) != record["prefix"]:
+            raise CheckpointError(
+                f"{where} records its PeftModel at {record['prefix']!r}, not under the prefix {prefix!r} given:"
+                " leave --prefix out (it applies to --adapter-config)."
+            )
+        adapters = record["adapters"]
+        if adapter_name is not None and adapter_name not in adapters:
+            raise CheckpointError(f"{where} records the adapters {sorted(adapters)}, not {adapter_name!r}.")
         return [AdapterExport(name, a["config"], {peft: ours for ours, peft in a["tensors"].items()})
-                for name, a in record["adapters"].items()]
+                for name, a in adapters.items() if adapter_name in (None, name)]
+    adapter_name = adapter_name or DEFAULT_ADAPTER
     config = _read_adapter_config(Path(adapter_config))
     if str(config.get("peft_type", "")).upper() != "LORA":
         raise CheckpointError(
@@ -206,12 +214,3 @@ def _base_model_class(base: Path) -> Any:
             " cannot be built to merge the adapters into. Load it yourself and merge with peft's merge_and_unload()."
         )
     return model_class
-
-
-def temporary_directory_beside(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-
-
-def remove_quietly(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

@@ -14,7 +14,6 @@ Every tensor is one chunk, which DCP reshards to any world size when it loads.
 from __future__ import annotations
 
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from lightning_shard.checkpoint.export import move_into_place
+from lightning_shard.checkpoint.export import move_into_place, temporary_directory_beside
 from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError
 from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors
 from lightning_shard.checkpoint.layout import StoredTensor, require_complete
@@ -70,8 +69,7 @@ def export_dcp(checkpoint: str | Path, output_dir: str | Path, overwrite: bool =
         state[f"optimizer_{i}"] = _optimizer(index, i, meta, handles, readers)
     for key in TRAINER_PLACEHOLDERS:
         values.pop(key, None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = temporary_directory_beside(out)
     try:
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1)
         with handles, warnings.catch_warnings():

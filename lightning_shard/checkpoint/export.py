@@ -31,8 +31,6 @@ from lightning_shard.checkpoint.adapters import (
     adapter_directory,
     adapters_to_export,
     merge_adapters,
-    remove_quietly,
-    temporary_directory_beside,
 )
 from lightning_shard.checkpoint.averaged import Weights, weights_prefix
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, read_json_object, submodule_prefix
@@ -98,6 +96,12 @@ def export_hf(
         raise CheckpointError(f"Export config file {config} does not exist.")
     index = read_index(directory)
     if ADAPTERS in index:
+        if prefix or config is not None:
+            raise CheckpointError(
+                f"{directory} holds peft adapters, so it is exported merged into the base model (--base), whose own"
+                " keys and config.json are written: prefix (--prefix) and config (--config) do not apply. Leave them"
+                " out, or export the adapters alone with --format peft."
+            )
         return _export_merged(directory, index, out, base, target_dtype, weights, max_shard_size)
     if base is not None:
         raise CheckpointError(f"{directory} records no peft adapters: base= (--base) only applies to merging them.")
@@ -133,8 +137,7 @@ def export_hf(
     del meta
     total_size = _total_size(entries, out_dtype)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = temporary_directory_beside(out)
     try:
         with FileHandles() as handles:
             for filename, keys in plan.filename_to_tensors.items():
@@ -174,7 +177,7 @@ def export_peft(
     weights: Weights = "current",
     adapter_config: str | Path | None = None,
     prefix: str = "",
-    adapter_name: str = DEFAULT_ADAPTER,
+    adapter_name: str | None = None,
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
 ) -> ExportResult:
@@ -183,8 +186,8 @@ def export_peft(
     them), so that ``PeftModel.from_pretrained(base_model, output_dir)`` loads them. The tensors and config come
     from the record the save made (see [Note: adapters recorded at save time]); for a checkpoint without one,
     ``adapter_config`` (a LoRA ``adapter_config.json``) with ``prefix`` (the submodule holding the ``PeftModel``,
-    e.g. ``"model"``) and ``adapter_name`` pick the LoRA tensors by their names. ``weights`` and ``dtype`` are as
-    for ``export_hf``."""
+    e.g. ``"model"``) and ``adapter_name`` (default ``"default"``) pick the LoRA tensors by their names; with a
+    record, ``adapter_name`` exports that adapter only. ``weights`` and ``dtype`` are as for ``export_hf``."""
     directory = local_only(checkpoint, "export_peft()")
     out = local_only(output_dir, "export_peft()")
     target_dtype = _export_dtype(dtype)
@@ -224,7 +227,7 @@ def export_peft(
                 files.append(str(adapter_directory(Path(), adapter.name) / ADAPTER_WEIGHTS))
         move_into_place(tmp, out)
     except BaseException:
-        remove_quietly(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     total = sum(_total_size(entries, out_dtype) for _, entries in planned)
     return ExportResult(out, files, total)
@@ -240,8 +243,8 @@ def _export_merged(
     max_shard_size: int | str,
 ) -> ExportResult:
     """``export_hf`` of a checkpoint with peft adapters: merged into the base model by peft."""
-    adapters = adapters_to_export(index, directory, None, "", DEFAULT_ADAPTER)
-    default = next((a for a in adapters if a.name == DEFAULT_ADAPTER), adapters[0])
+    adapters = adapters_to_export(index, directory, None, "", None)
+    default = next((a for a in adapters if a.name == DEFAULT_ADAPTER), adapters[0])  # the one peft activates
     if base is None:
         named = default.config.get("base_model_name_or_path")
         if not (isinstance(named, str) and Path(named).is_dir()):
@@ -253,15 +256,11 @@ def _export_merged(
         base = named
     tmp = temporary_directory_beside(out)
     try:
-        export_peft(directory, tmp / "adapter", weights=weights)
-        if default.name != DEFAULT_ADAPTER:
-            (tmp / "adapter" / default.name).replace(tmp / "only")
-            shutil.rmtree(tmp / "adapter")
-            (tmp / "only").replace(tmp / "adapter")
-        merge_adapters(tmp / "adapter", base, tmp / "model", dtype, max_shard_size)
+        export_peft(directory, tmp / "adapter", weights=weights, adapter_name=default.name)
+        merge_adapters(adapter_directory(tmp / "adapter", default.name), base, tmp / "model", dtype, max_shard_size)
         move_into_place(tmp / "model", out)
     finally:
-        remove_quietly(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     return ExportResult(out, files, sum((out / f).stat().st_size for f in files))
 
@@ -336,6 +335,12 @@ def _write_config(source: Path, dest: Path, dtype: torch.dtype | None) -> None:
     if "torch_dtype" in config:  # what older versions wrote and read
         config["torch_dtype"] = name
     dest.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def temporary_directory_beside(out: Path) -> Path:
+    """A new hidden directory next to ``out`` (same file system), to write an export into before ``move_into_place``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
 
 
 def move_into_place(tmp: Path, out: Path) -> None:

@@ -25,7 +25,7 @@ from lightning_shard.checkpoint.foreign import (
     name_positions,
 )
 from lightning_shard.checkpoint.format import CheckpointError, check_loadable
-from lightning_shard.checkpoint.load import LoadResult
+from lightning_shard.checkpoint.load import LoadResult, check_model_keys, covered_keys
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule
 
@@ -34,17 +34,8 @@ def load_foreign_model(
     engine: ShardedModule, module: nn.Module, source: ForeignCheckpoint, strict: bool = True
 ) -> LoadResult:
     """Copy this rank's rows of every parameter and every buffer from ``source`` into ``module``. Collective."""
-    available = set(source.model) | set(source.ties)
-    for p in engine.sharded_params():  # a tied weight stored under any one of its names covers them all
-        if any(f in available for f in p.fqns):
-            available |= set(p.fqns)
-    expected = set(module.state_dict().keys())
-    result = LoadResult(sorted(expected - available), sorted(available - expected))
-    if strict and (result.missing_keys or result.unexpected_keys):
-        raise CheckpointError(
-            f"{source.where} does not match the model: missing keys {result.missing_keys}, unexpected keys"
-            f" {result.unexpected_keys}. Set LightningModule.strict_loading = False to load the keys that match."
-        )
+    available = covered_keys(engine, set(source.model) | set(source.ties))
+    result = check_model_keys(module, available, strict, str(source.where))
     agree(lambda: _copy_model_rows(engine, module, source))
     engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
     return result

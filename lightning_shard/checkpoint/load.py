@@ -79,27 +79,35 @@ def load_model(
     engine: ShardedModule, module: nn.Module, directory: Location, index: dict[str, Any], strict: bool = True
 ) -> LoadResult:
     """Copy this rank's rows of every parameter (and every buffer) from the checkpoint into ``module``. Collective."""
-    stored = {key for key, _ in iter_index_tensors(index, MODEL_PREFIX)}
     ties = model_ties(index)
-    available = stored | set(ties)
-    for p in engine.sharded_params():  # a tied weight stored under any one of its names covers them all
-        if any(f in available for f in p.fqns):
-            available |= set(p.fqns)
+    available = covered_keys(engine, {key for key, _ in iter_index_tensors(index, MODEL_PREFIX)} | set(ties))
     # A checkpoint that left weights out: they are checked before the next forward instead of counting as missing
     # (see [Note: weights a checkpoint leaves out]).
     accounted = expect_left_out(engine, module, index.get(LEFT_OUT, {}), directory, strict)
-    result = _key_check(module, available | accounted, strict)
+    result = check_model_keys(module, available | accounted, strict, "The checkpoint")
     agree(lambda: _load_model_rows(engine, module, directory, index, ties))
     engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
     return result
 
 
-def _key_check(module: nn.Module, available: set[str], strict: bool) -> LoadResult:
+def covered_keys(engine: ShardedModule, stored: set[str]) -> set[str]:
+    """The model keys a checkpoint storing ``stored`` fills: a tied weight stored under any one of its names covers
+    them all."""
+    covered = set(stored)
+    for p in engine.sharded_params():
+        if covered.intersection(p.fqns):
+            covered |= set(p.fqns)
+    return covered
+
+
+def check_model_keys(module: nn.Module, available: set[str], strict: bool, source: str) -> LoadResult:
+    """The model's missing and unexpected keys against ``available``; with ``strict`` either kind raises, naming
+    ``source`` (what is being loaded)."""
     expected = set(module.state_dict().keys())
     result = LoadResult(sorted(expected - available), sorted(available - expected))
     if strict and (result.missing_keys or result.unexpected_keys):
         raise CheckpointError(
-            f"The checkpoint does not match the model: missing keys {result.missing_keys}, unexpected keys"
+            f"{source} does not match the model: missing keys {result.missing_keys}, unexpected keys"
             f" {result.unexpected_keys}. Set LightningModule.strict_loading = False to load the keys that match."
         )
     return result

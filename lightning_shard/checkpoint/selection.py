@@ -127,5 +127,4 @@ def expect_left_out(
             )
 
     engine.check_before_next_forward(_CHECK_NAME, check)
-    return {name for name, _ in params} | {name for p in engine.sharded_params() if any(f in wanted for f in p.fqns)
-                                          for name in p.fqns} | {name for name, _ in buffers}
+    return {f for _, p in params for f in p.fqns} | {name for name, _ in buffers}
