@@ -181,13 +181,13 @@ def test_consolidate_and_inspect_read_each_header_once(
     tall: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: list[str] = []
-    real = checkpoint_format.read_header
+    real = checkpoint_format.parse_header
 
-    def counting(f: Any, path: Path, *args: Any) -> Any:
-        reads.append(path.name)
-        return real(f, path, *args)
+    def counting(text: bytes, path: Path | str, *args: Any) -> Any:
+        reads.append(Path(path).name)
+        return real(text, path, *args)
 
-    monkeypatch.setattr(checkpoint_format, "read_header", counting)
+    monkeypatch.setattr(checkpoint_format, "parse_header", counting)
     out = consolidate(tall["path"], tmp_path / "model.safetensors")
     assert sorted(reads) == sorted(p.name for p in tall["path"].glob("shard-*.safetensors"))
     expected = tall["model"].state_dict()

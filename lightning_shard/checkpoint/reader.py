@@ -21,7 +21,6 @@ shorter than its header says fails the read instead of the process.
 from __future__ import annotations
 
 import bisect
-import io
 import itertools
 import math
 import os
@@ -29,8 +28,9 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any, BinaryIO, NamedTuple, NoReturn, cast
 
 import numpy as np
 import torch
@@ -50,11 +50,12 @@ from lightning_shard.checkpoint.layout import Piece, RowSplit, StoredTensor, che
 
 class FileHandles:
     """Files kept open across many ``RowReads.run`` calls (consolidate, export): at most ``limit`` at a time, the
-    least recently used closed first."""
+    least recently used closed first. A local file is held as a raw descriptor, read with ``pread``/``preadv`` (no
+    file object, no seek); an object at a URL as its file object."""
 
     def __init__(self, limit: int = 64) -> None:
         self._limit = limit
-        self._open: OrderedDict[tuple[int, str], io.BufferedReader] = OrderedDict()
+        self._open: OrderedDict[tuple[int, str], int | BinaryIO] = OrderedDict()
 
     def __enter__(self) -> FileHandles:
         return self
@@ -62,19 +63,36 @@ class FileHandles:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def get(self, files: CheckpointFiles, name: str) -> io.BufferedReader:
+    def get(self, files: CheckpointFiles, name: str) -> int | BinaryIO:
+        """``name``'s descriptor (a local file, where the system has ``preadv``) or file object, opened if need be."""
         slot = (id(files), name)
-        if slot in self._open:
+        handle = self._open.get(slot)
+        if handle is not None:
             self._open.move_to_end(slot)
-            return self._open[slot]
+            return handle
         while len(self._open) >= self._limit:
-            self._open.popitem(last=False)[1].close()
-        handle = self._open[slot] = files.open(name)
+            _close(self._open.popitem(last=False)[1])
+        handle = self._open[slot] = files.open_local(name)[0] if _scatters(files) else files.open(name)
         return handle
+
+    def read_into(self, files: CheckpointFiles, name: str, offset: int, buffer: Any) -> int:
+        """Read ``name``'s bytes from ``offset`` into ``buffer``; how many were read (fewer: the file ends)."""
+        handle = self.get(files, name)
+        if isinstance(handle, int):
+            return os.preadv(handle, [buffer], offset)
+        handle.seek(offset)
+        return handle.readinto(buffer)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         while self._open:
-            self._open.popitem()[1].close()
+            _close(self._open.popitem()[1])
+
+
+def _close(handle: int | BinaryIO) -> None:
+    if isinstance(handle, int):
+        os.close(handle)
+    else:
+        handle.close()
 
 
 @dataclass(frozen=True)
@@ -166,6 +184,12 @@ class RowReads:
     def run(self, handles: FileHandles | None = None) -> list[Tensor]:
         """Check, then read, everything added; the tensors read, in the order they were added. A new tensor has shape
         ``(stop - start, *row_shape)`` (a 0-dim tensor read whole: shape ``()``)."""
+        with ExitStack() as stack:
+            for files in {id(t.entry.files): t.entry.files for t in self._targets}.values():
+                stack.enter_context(files.held_open())
+            return self._run(handles)
+
+    def _run(self, handles: FileHandles | None) -> list[Tensor]:
         by_file: dict[tuple[CheckpointFiles, str], list[_Read]] = {}
         whole: list[tuple[int, int, int]] = []  # (target, first, last): shards holding whole, full pieces of it
         for i, t in enumerate(self._targets):
@@ -177,9 +201,8 @@ class RowReads:
         pool = handles if handles is not None else FileHandles()
         try:
             for (files, name), reads in sorted(by_file.items(), key=lambda item: item[0][1]):
-                handle = pool.get(files, name)
                 for span in _spans(sorted(reads), _gap_bytes(files)):
-                    _read_span(files, handle, span, views)
+                    _read_span(files, name, pool, span, views)
             by_group: dict[int, list[_Run]] = {}
             for run in runs:
                 by_group.setdefault(run.group, []).append(run)
@@ -283,7 +306,7 @@ class RowReads:
 
 
 _GAP_BYTES = 64 * 2**10  # reads of one file closer than this are one read (fewer calls; little read twice)
-_SPAN_BYTES = 16 * 2**20  # ... up to this much at a time; and the buffer runs are read through
+_SPAN_BYTES = 8 * 2**20  # ... up to this much at a time; and the buffer runs are read through (two fit in L3)
 _RUN_PIECE_BYTES = 2**20  # pieces up to this size are read in runs; a larger one alone, straight into its target
 _CRC_GAP_BYTES = 4 * 2**10  # pieces read this close are checked in one CRC-32 call, the bytes between them too
 _SCATTER_PIECE_BYTES = 32 * 2**10  # runs of pieces this large on average are scattered by preadv, each piece checked
@@ -312,18 +335,20 @@ def _spans(reads: list[_Read], gap: int = _GAP_BYTES) -> list[list[_Read]]:
     return spans
 
 
-def _read_span(files: CheckpointFiles, handle: io.BufferedReader, span: list[_Read], views: list[memoryview]) -> None:
-    """The pieces of ``span`` into the bytes of their targets, each checked against its CRC-32."""
+def _read_span(
+    files: CheckpointFiles, name: str, pool: FileHandles, span: list[_Read], views: list[memoryview]
+) -> None:
+    """The pieces of ``span`` (of the file ``name``) into the bytes of their targets, each checked against its
+    CRC-32."""
     first = span[0]
-    handle.seek(first.offset)
     if len(span) == 1:
         data = views[first.target][first.at : first.at + first.nbytes]
-        if handle.readinto(data) != first.nbytes:
+        if pool.read_into(files, name, first.offset, data) != first.nbytes:
             _truncated(files, first.piece)
         _check_crc(files, first.piece, data, first.crc32)
         return
     block = memoryview(bytearray(max(r.offset + r.nbytes for r in span) - first.offset))
-    if handle.readinto(block) != len(block):
+    if pool.read_into(files, name, first.offset, block) != len(block):
         _truncated(files, span[-1].piece)
     for read in span:
         data = block[read.offset - first.offset : read.offset - first.offset + read.nbytes]
@@ -338,8 +363,9 @@ def _groups(files: CheckpointFiles, names: tuple[str, ...], ranges: list[tuple[i
     for first, last in ranges:
         marks[first] += 1
         marks[last + 1] -= 1
-    groups: list[_Group] = []
-    depth = 0
+    starts: list[int] = []  # each group's first shard; its headers
+    headers: list[list[SafetensorsHeader]] = []
+    depth, table, last = 0, None, -2
     for s in range(len(names)):
         depth += marks[s]
         if not depth:
@@ -347,13 +373,13 @@ def _groups(files: CheckpointFiles, names: tuple[str, ...], ranges: list[tuple[i
         header = files.header(names[s])
         if files.checksums_in_headers and not header.crc32:
             raise CheckpointError(f"Checkpoint file {files.directory / names[s]} records no CRC-32s: it is damaged.")
-        group = groups[-1] if groups else None
-        if group is not None and group.last == s - 1 and group.table is header.table:
-            group.headers.append(header)
-            groups[-1] = group._replace(last=s)
+        if last == s - 1 and header.table is table:
+            headers[-1].append(header)
         else:
-            groups.append(_Group(files, names, s, s, header.table, [header]))
-    return groups
+            starts.append(s)
+            headers.append([header])
+        table, last = header.table, s
+    return [_Group(files, names, s, s + len(h) - 1, h[0].table, h) for s, h in zip(starts, headers)]
 
 
 def _read_group(
@@ -379,7 +405,7 @@ def _read_group(
     checksums = None
     for segment in segments:
         lo, hi = segment[0].begin, _end(segment)
-        scatter = _scatters(group) and (not running or hi - lo >= _SCATTER_PIECE_BYTES * len(segment))
+        scatter = _scatters(group.files) and (not running or hi - lo >= _SCATTER_PIECE_BYTES * len(segment))
         parts = None if scatter or not running else _checked_parts(group, segment)
         if parts is not None:
             for part in parts:
@@ -479,7 +505,7 @@ def _part_reader(group: _Group, part: _Part, pool: FileHandles) -> Callable[[int
     lo, hi = part.lo, part.hi
     spans = [(a - lo, b - lo, 4 * before, 4 * through) for a, b, before, through in part.spans]  # in the row; words
     gaps = [next_a - b for (_, b, _, _), (next_a, _, _, _) in zip(spans, spans[1:])]
-    scatter = _scatters(group) and len(spans) > 1 and 2 * len(spans) <= _IOV_MAX
+    scatter = _scatters(group.files) and len(spans) > 1 and 2 * len(spans) <= _IOV_MAX
     junk = memoryview(cast(Any, np.empty(max(gaps, default=0) if scatter else 0, np.uint8)))
     buffers: list[Any] = [None] * (2 * len(spans) - 1)  # the spans, and between them the bytes not kept
     buffers[1::2] = [junk[:n] for n in gaps]
@@ -489,8 +515,8 @@ def _part_reader(group: _Group, part: _Part, pool: FileHandles) -> Callable[[int
         data = memoryview(row)
         if scatter:
             buffers[::2] = [data[a:b] for a, b, _, _ in spans]
-            handle = pool.get(group.files, group.shard_files[shard])
-            if os.preadv(handle.fileno(), buffers, header.data_start + lo) != hi - lo:
+            fd = cast(int, pool.get(group.files, group.shard_files[shard]))
+            if os.preadv(fd, buffers, header.data_start + lo) != hi - lo:
                 _short(group, shard)
         else:
             _read_into(group, pool, shard, lo, row)
@@ -552,9 +578,10 @@ def _copy_runs(segment: list[_Run], w0: int, block: Any, lo: int, arrays: list[A
         arrays[run.target][at : at + (b - a + 1) * run.nbytes].reshape(b - a + 1, run.nbytes)[...] = pieces
 
 
-def _scatters(group: _Group) -> bool:
-    """Whether the files of ``group`` are read with ``os.preadv`` (local files, where the system has it)."""
-    return hasattr(os, "preadv") and not is_remote(group.files.directory)
+def _scatters(files: CheckpointFiles) -> bool:
+    """Whether ``files`` are read with ``os.preadv`` through raw descriptors (local files, where the system has
+    it)."""
+    return hasattr(os, "preadv") and not is_remote(files.directory)
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
@@ -586,7 +613,7 @@ def _scatter(
         at = run.begin + run.nbytes
     if not pieces:
         return
-    fd = pool.get(group.files, group.shard_files[shard]).fileno()
+    fd = cast(int, pool.get(group.files, group.shard_files[shard]))
     offset = group.headers[shard - group.first].data_start + lo
     for k in range(0, len(buffers), _IOV_MAX):
         chunk = buffers[k : k + _IOV_MAX]
@@ -624,9 +651,7 @@ def _end(runs: list[_Run]) -> int:
 
 def _read_into(group: _Group, pool: FileHandles, shard: int, lo: int, row: Any) -> None:
     header = group.headers[shard - group.first]
-    handle = pool.get(group.files, group.shard_files[shard])
-    handle.seek(header.data_start + lo)
-    if handle.readinto(row) != len(row):
+    if pool.read_into(group.files, group.shard_files[shard], header.data_start + lo, row) != len(row):
         _short(group, shard)
 
 

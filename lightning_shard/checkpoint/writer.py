@@ -35,6 +35,15 @@ def sha256_file(path: Path) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+# [Note: large writes]
+# A shard file of a large world holds hundreds of small pieces (a few KiB each at W=1024). Written one ``write`` each
+# through an 8 KiB buffer, they reach the kernel as small writes, and the page cache keeps such a file in small pages:
+# reading it back while it is cached (a load soon after the save, the usual resume) copies it a page at a time, about
+# 1.7x slower than a file written in large writes (25M written by 1024 ranks, read on 2: 23 ms against 14 ms). So the
+# writer buffers up to ``_WRITE_BUFFER_BYTES``; larger tensors go to the file directly, as before.
+_WRITE_BUFFER_BYTES = 2**20
+
+
 class SafetensorsStreamWriter:
     """Write a safetensors file whose tensors arrive one at a time, so that only one is ever in memory.
 
@@ -65,7 +74,7 @@ class SafetensorsStreamWriter:
             self._expected.append((name, nbytes))
             offset += nbytes
         encoded = self._encoded_header()
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._file: BinaryIO = open(path, "wb", buffering=_WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed in close()
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
         self._header_bytes = len(encoded)
         self._next = 0
