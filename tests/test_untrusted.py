@@ -92,7 +92,7 @@ def _refused_on_every_rank(ckpt: Path, out: Path, pattern: str) -> None:
 
 @pytest.fixture
 def opened(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Every path opened with ``open`` or ``safetensors.safe_open`` in this process, resolved."""
+    """Every path opened with ``open``, ``os.open`` or ``safetensors.safe_open`` in this process, resolved."""
     paths: list[Path] = []
     real_open, real_safe_open = builtins.open, safetensors.safe_open
 
@@ -105,8 +105,16 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         paths.append(Path(file).resolve())
         return real_safe_open(file, *args, **kwargs)
 
+    real_os_open = os.open
+
+    def record_os_open(file: Any, *args: Any, dir_fd: int | None = None, **kwargs: Any) -> Any:
+        directory = Path(os.readlink(f"/proc/self/fd/{dir_fd}")) if dir_fd is not None else Path()
+        paths.append((directory / file).resolve())
+        return real_os_open(file, *args, dir_fd=dir_fd, **kwargs)
+
     monkeypatch.setattr(builtins, "open", record_open)
     monkeypatch.setattr(io, "open", record_open)
+    monkeypatch.setattr(os, "open", record_os_open)
     monkeypatch.setattr(safetensors, "safe_open", record_safe_open)
     return paths
 
@@ -136,6 +144,15 @@ def test_symlink_out_of_the_directory_is_refused_on_every_rank(tmp_path: Path, s
     (ckpt / SHARD1).rename(elsewhere)
     (ckpt / SHARD1).symlink_to(elsewhere)
     _refused_on_every_rank(ckpt, tmp_path / "out", rf"{re.escape(SHARD1)} is a symlink that leads out of")
+
+
+def test_a_symlink_that_stays_inside_the_directory_is_followed(tmp_path: Path, saved: Path) -> None:
+    ckpt = _copy(saved, tmp_path / "linked")
+    (ckpt / SHARD1).rename(ckpt / "moved.safetensors")
+    (ckpt / SHARD1).symlink_to("moved.safetensors")
+    consolidate(ckpt, tmp_path / "linked.safetensors")
+    consolidate(saved, tmp_path / "plain.safetensors")
+    assert (tmp_path / "linked.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
 
 
 def test_absurd_optimizer_state_shape_is_refused_before_any_allocation(tmp_path: Path, saved: Path) -> None:
