@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from lightning_shard import CheckpointError, consolidate, inspect
 from lightning_shard.checkpoint import consolidate as consolidate_module
 from lightning_shard.checkpoint import format as checkpoint_format
+from lightning_shard.checkpoint import reader as reader_module
 from lightning_shard.checkpoint.format import INDEX_FILE, MAX_JSON_BYTES, shard_file_name
 from lightning_shard.checkpoint.index import read_index
 from lightning_shard.checkpoint.layout import shard_rows
@@ -199,16 +200,31 @@ def test_consolidate_and_inspect_read_each_header_once(
 
 
 _NOT_A_FILE_AT_A_TIME = {"_checked_parts": lambda group, segment: None}  # as files without running CRC-32s are read
-READ_PATHS = {"runs scattered": {"_SCATTER_PIECE_BYTES": 0},
-              "runs scattered, 2 buffers a call": {"_IOV_MAX": 2, "_SCATTER_PIECE_BYTES": 0},
-              "runs buffered": {"_scatters": lambda group: False, **_NOT_A_FILE_AT_A_TIME},
-              "runs through 40 bytes": {"_scatters": lambda group: False, "_SPAN_BYTES": 40, **_NOT_A_FILE_AT_A_TIME},
-              "runs checked a file at a time": {},
-              "runs checked a file at a time, gaps skipped": {"_CRC_GAP_BYTES": 0},
-              "runs checked a file at a time, gaps skipped, 2 buffers a call": {"_CRC_GAP_BYTES": 0, "_IOV_MAX": 2},
-              "runs checked a file at a time, buffered": {"_scatters": lambda group: False},
-              "runs checked a file at a time, through 40 bytes": {"_scatters": lambda group: False, "_SPAN_BYTES": 40},
+_NOT_IN_PLACE = {"_SCATTERED_READS": False}  # as where the C library has no preadv (see [Note: checking pieces ...])
+READ_PATHS = {"runs read in place": {},
+              "runs read in place, 2 iovecs a call": {"scattered_reads._IOV_MAX": 2},
+              "runs read in place, the iovecs of 5 built at once": {"scattered_reads._IOV_ROWS_AT_ONCE": 5},
+              "runs read in place, gaps of at most 8 bytes": {"_GAP_BYTES": 8},
+              "runs scattered": {"_SCATTER_PIECE_BYTES": 0, **_NOT_IN_PLACE},
+              "runs scattered, 2 buffers a call": {"_IOV_MAX": 2, "_SCATTER_PIECE_BYTES": 0, **_NOT_IN_PLACE},
+              "runs buffered": {"_scatters": lambda files: False, **_NOT_A_FILE_AT_A_TIME},
+              "runs through 40 bytes": {"_scatters": lambda files: False, "_SPAN_BYTES": 40, **_NOT_A_FILE_AT_A_TIME},
+              "runs checked a file at a time": {**_NOT_IN_PLACE},
+              "runs checked a file at a time, gaps skipped": {"_CRC_GAP_BYTES": 0, **_NOT_IN_PLACE},
+              "runs checked a file at a time, gaps skipped, 2 buffers a call": {"_CRC_GAP_BYTES": 0, "_IOV_MAX": 2,
+                                                                                **_NOT_IN_PLACE},
+              "runs checked a file at a time, buffered": {"_scatters": lambda files: False},
+              "runs checked a file at a time, through 40 bytes": {"_scatters": lambda files: False, "_SPAN_BYTES": 40},
               "no runs": {"_RUN_PIECE_BYTES": 0}}
+
+
+def _read_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Make the reader take ``path`` of ``READ_PATHS``."""
+    from lightning_shard.checkpoint import reader, scattered_reads
+
+    for name, value in READ_PATHS[path].items():
+        module, _, attribute = name.rpartition(".")
+        monkeypatch.setattr(scattered_reads if module else reader, attribute, value)
 
 
 @pytest.mark.parametrize("path", sorted(READ_PATHS))
@@ -217,14 +233,12 @@ def test_any_rows_of_a_split_tensor_read_exactly_as_saved(
 ) -> None:
     """Every [start, stop) of every tensor: pieces cut at either end, whole pieces in runs across files whose
     headers differ (shards 0-1 hold rows of a 2-row weight, shard 5 a short piece, shard 6 nothing); read by each
-    path: runs scattered into their targets (``preadv``, also 2 buffers a call), runs through a buffer (and one of 40
-    bytes: windows of one file, segments of one piece), each piece checked on its own or a file's pieces with one
-    CRC-32 call (their spans read by ``preadv``, the bytes between them skipped, or by one read), every piece on its
-    own."""
-    from lightning_shard.checkpoint import reader
-
-    for name, value in READ_PATHS[path].items():
-        monkeypatch.setattr(reader, name, value)
+    path: runs read in place (a file's pieces in one C ``preadv``, each run checked where it landed; also 2 iovecs a
+    call, a file's read split at every gap), runs scattered into their targets (``os.preadv``, also 2 buffers a
+    call), runs through a buffer (and one of 40 bytes: windows of one file, segments of one piece), each piece
+    checked on its own or a file's pieces with one CRC-32 call (their spans read by ``preadv``, the bytes between
+    them skipped, or by one read), every piece on its own."""
+    _read_path(monkeypatch, path)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(23, 2), torch.nn.Linear(2, 23))  # in shards 0-1, the 2 rows first
     ckpt = simulate_save(tmp_path / "ckpt", model, 7)  # 23 rows: 4 a shard, 3 in shard 5
@@ -244,14 +258,24 @@ def test_any_rows_of_a_split_tensor_read_exactly_as_saved(
             assert torch.equal(value, state[name]), name
 
 
+def test_two_targets_of_the_same_rows_in_one_read_each_get_them(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64))
+    ckpt = simulate_save(tmp_path / "ckpt", model, 16)  # 4 rows a file
+    entry = read_index(ckpt)["tensors"]["model/0.weight"]
+    reads = RowReads()
+    for start, stop in ((0, 64), (8, 40), (0, 64)):  # the same bytes of files 2-9, three times
+        reads.add(entry, start, stop)
+    weight = model.state_dict()["0.weight"]
+    assert [torch.equal(got, weight[a:b]) for got, (a, b) in zip(reads.run(), ((0, 64), (8, 40), (0, 64)))] == [
+        True] * 3
+
+
 @pytest.mark.parametrize("path", sorted(READ_PATHS))
 def test_a_corrupted_piece_among_many_is_named_by_its_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    from lightning_shard.checkpoint import reader
-
-    for name, value in READ_PATHS[path].items():
-        monkeypatch.setattr(reader, name, value)
+    _read_path(monkeypatch, path)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 64))
     ckpt = simulate_save(tmp_path / "ckpt", model, 16)  # 4 rows of the weight and of the bias a file
@@ -336,10 +360,27 @@ def test_a_shard_file_records_the_running_crc32_of_its_data_at_each_tensor_end(t
         assert int(running[-8:], 16) == zlib.crc32(data)  # the last: the whole data section
 
 
-def test_small_pieces_are_checked_with_one_crc32_call_a_file_and_a_corrupted_byte_is_named(
+def test_pieces_read_in_place_are_checked_with_one_crc32_call_a_run_and_a_corrupted_byte_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, ckpt = _linear_16(tmp_path)
+    calls = _counting_calls(monkeypatch)
+    for name, value in _read_all(ckpt).items():
+        assert torch.equal(value, model.state_dict()[name]), name
+    assert calls == {"crc32": 2, "pieces checked on their own": 0}  # 32 pieces: one call for each tensor's 16
+    shard = ckpt / shard_file_name(9, 16)
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 0x01  # one bit of the weight's piece (the bias is the last 16 bytes)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: 'model/0\.weight' does not match"):
+        _read_all(ckpt)
+
+
+def test_small_pieces_through_a_buffer_are_checked_with_one_crc32_call_a_file_and_a_corrupted_byte_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, ckpt = _linear_16(tmp_path)
+    monkeypatch.setattr(reader_module, "_SCATTERED_READS", False)
     calls = _counting_calls(monkeypatch)
     for name, value in _read_all(ckpt).items():
         assert torch.equal(value, model.state_dict()[name]), name
@@ -353,8 +394,11 @@ def test_small_pieces_are_checked_with_one_crc32_call_a_file_and_a_corrupted_byt
 
 
 @pytest.mark.parametrize("damage", ["other digits", "not hex", "too short", "a number"])
-def test_a_damaged_running_crc32_in_a_header_is_refused(tmp_path: Path, damage: str) -> None:
+def test_a_damaged_running_crc32_in_a_header_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
     _, ckpt = _linear_16(tmp_path)
+    monkeypatch.setattr(reader_module, "_SCATTERED_READS", False)  # reads in place check each tensor's CRC-32s
     shard = ckpt / shard_file_name(9, 16)
 
     def edit(header: dict[str, Any]) -> None:
@@ -383,6 +427,7 @@ def test_files_without_running_crc32s_are_read_checking_each_piece(
 ) -> None:
     model, ckpt = _linear_16(tmp_path)
     _strip_running_crc32s(ckpt)
+    monkeypatch.setattr(reader_module, "_SCATTERED_READS", False)  # reads in place do not use running CRC-32s
     calls = _counting_calls(monkeypatch)
     for name, value in _read_all(ckpt).items():
         assert torch.equal(value, model.state_dict()[name]), name

@@ -268,12 +268,16 @@ class TensorTable:
         then it parses to this table (the digits are checked to be hex by ``_checksums``)."""
         if data_bytes != self.data_bytes or len(text) != len(self.text) or self.crc_digits is None:
             return False
-        at = 0
-        for p, q in self.crc_digits.spans():
-            if text[at:p] != self.text[at:p]:
-                return False
+        return all(text.startswith(fixed, at) for at, fixed in self._fixed_parts)  # compared in place, in C
+
+    @cached_property
+    def _fixed_parts(self) -> list[tuple[int, bytes]]:
+        """The parts of ``text`` around the checksums' digits, each with where it starts."""
+        parts, at = [], 0
+        for p, q in cast(ChecksumDigits, self.crc_digits).spans():
+            parts.append((at, self.text[at:p]))
             at = q
-        return text[at:] == self.text[at:]
+        return [*parts, (at, self.text[at:])]
 
     @cached_property
     def positions(self) -> dict[str, int]:
@@ -492,7 +496,7 @@ class CheckpointFiles:
         self.pieces_checked = 0  # pieces checked against their headers (by ``RowReads``)
         self._headers: dict[str, SafetensorsHeader] = {}
         self._last_table: TensorTable | None = None  # the table of the header read last: the next is often equal
-        self._paths: dict[str, str] = {}  # local files' paths, their names checked plain
+        self._checked: set[str] = set()  # local files whose names were checked plain
         self._links: set[str] = set()  # local files that are symlinks leading inside the directory
         self._dir_fd: int | None = None  # the directory, held open by ``held_open``
 
@@ -510,14 +514,14 @@ class CheckpointFiles:
         ``open`` checks it, and its size. A symlink is followed only once it is known to stay inside the directory
         (``member_path``); a plain file is opened without that ``lstat``, as a link is refused by the open itself.
         Inside ``held_open()``, names are opened relative to the directory's own descriptor (no path walk)."""
-        path = self._paths.get(name)
-        if path is None:
+        if name not in self._checked:
             if _NO_FOLLOW:
                 refuse_unplain_name(self.directory, name)
             else:  # no open refuses a link here: check each name once
                 member_path(cast(Path, self.directory), name)
                 self._links.add(name)
-            path = self._paths[name] = os.path.join(cast(Path, self.directory), name)
+            self._checked.add(name)
+        path = self._local_path(name)
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
         if name not in self._links:
             flags |= _NO_FOLLOW
@@ -547,6 +551,18 @@ class CheckpointFiles:
             os.close(fd)
             raise
         return fd, info.st_size
+
+    def reopen(self, name: str) -> int:
+        """A local file whose header this load has read (so checked, as ``open_local`` checks) opened again for
+        reading, as a raw descriptor: a short read still says if it shrank since, its checksums if it changed."""
+        if name not in self._headers:
+            raise ValueError(f"Internal error: {name} is reopened before its header was read.")
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if name in self._links else _NO_FOLLOW)
+        try:
+            return os.open(name, flags, dir_fd=self._dir_fd) if self._dir_fd is not None else os.open(
+                self._local_path(name), flags)
+        except FileNotFoundError:
+            raise CheckpointError(f"Checkpoint file {self._local_path(name)} is missing.") from None
 
     @contextmanager
     def held_open(self) -> Iterator[None]:
@@ -611,7 +627,7 @@ class CheckpointFiles:
         try:
             like = self._last_table
             head = os.pread(fd, min(size, 8 + (len(like.text) if like is not None else _HEADER_GUESS)), 0)
-            length = _header_length(head, self._paths[name], size)
+            length = _header_length(head, self._local_path(name), size)
             text = head[8 : 8 + length]
             while len(text) < length:
                 more = os.pread(fd, length - len(text), 8 + len(text))
@@ -620,7 +636,11 @@ class CheckpointFiles:
                 text += more
         finally:
             os.close(fd)
-        return parse_header(text, self._paths[name], size, like)
+        return parse_header(text, self._local_path(name), size, like)
+
+    def _local_path(self, name: str) -> str:
+        """The path of a file of this local directory, for messages and opens outside ``held_open``."""
+        return f"{self.directory}{os.sep}{name}"
 
 
 _HEADER_GUESS = 64 * 2**10  # bytes read at once for a header of unknown length

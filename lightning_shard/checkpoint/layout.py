@@ -164,15 +164,17 @@ def require_complete(directory: Path | Any, tensors: dict[str, StoredTensor], ke
             )
 
 
-def check_piece(entry: StoredTensor, piece: Piece, header: SafetensorsHeader) -> int | None:
+def check_piece(entry: StoredTensor, piece: Piece, header: SafetensorsHeader, checksum: bool = True) -> int | None:
     """Check that ``piece``'s file (whose checked header is ``header``) holds ``piece`` of ``entry`` as the index says:
     its key, dtype and shape ``(hi - lo, *row_shape)``; return the piece's CRC-32 (``None`` when nothing records
-    one)."""
+    one, or ``checksum`` is false: the caller checks the piece some other way)."""
     info = header.entries.get(piece.key)
     shape = entry.shape
     if shape:
         shape = (piece.hi - piece.lo, *shape[1:])
     if info is not None and info.dtype is entry.dtype and (info.shape == shape or (not shape and info.shape == (1,))):
+        if not checksum:
+            return None
         crc = piece.crc32 if piece.crc32 is not None else header.crc32.get(piece.key)  # a 0-dim tensor: () or (1,)
         if crc is not None or not entry.files.checksums_in_headers:
             return crc

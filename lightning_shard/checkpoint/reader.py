@@ -9,8 +9,8 @@ A load names, for each tensor, the rows this rank holds and the tensor to read t
    every piece against it (key, dtype, shape). Nothing is allocated or read before this pass has passed.
 2. Read: file by file, each file opened once, each piece's bytes read straight into its destination when dtype and
    device allow (else into a buffer, then copied), a piece read whole checked against its CRC-32; small whole pieces
-   of consecutive shard files in runs, a few large reads for many pieces (see [Note: runs of pieces]), small pieces
-   checked a file at a time, not a piece at a time (see [Note: one checksum a file read]).
+   of consecutive shard files in runs, one read a file for all of them, checked a run at a time where they landed
+   (see [Note: runs of pieces]).
 
 So a rank opens only the files that hold its rows and its work grows with its own pieces, whatever world size
 wrote the checkpoint. Rows are read with plain file reads, not through a memory map: the process holds only the
@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_shard.checkpoint import scattered_reads
+from lightning_shard.checkpoint.crc32_combine import combined
 from lightning_shard.checkpoint.format import (
     RUNNING_CRC32_METADATA,
     CheckpointError,
@@ -46,6 +48,7 @@ from lightning_shard.checkpoint.format import (
     is_remote,
 )
 from lightning_shard.checkpoint.layout import Piece, RowSplit, StoredTensor, check_piece, rows_per_shard
+from lightning_shard.checkpoint.scattered_reads import ScatteredRead
 
 
 class FileHandles:
@@ -144,10 +147,12 @@ class _Run(NamedTuple):
 # them whole: 1,024 writers, 2 readers, ~400 tensors: ~100,000 pieces a rank. They come in runs: consecutive shard
 # files hold equal pieces at the same place (their headers have the same table, see ``TensorTable``), and the pieces
 # land one after the other in the target. Pass 1 reads the header of each shard file the rank needs once, groups the
-# files by table, and checks one piece of each run in full; pass 2 reads each file's span in one call, scattered
-# straight into the targets (``preadv``; where there is none, into one row of a 2-D buffer, a window of files at a
-# time, each run's pieces then copied at once). What is left per piece is its CRC-32 and a few Python operations;
-# for small pieces, not even that (see [Note: one checksum a file read]).
+# files by table, and checks one piece of each run in full; pass 2 reads each local file's pieces in one C
+# ``preadv`` straight into their targets (``ScatteredRead``: no Python object a piece) and checks each run where it
+# landed with one CRC-32 call (see [Note: checking pieces where they land]). Where the C library has no ``preadv``,
+# or the files are objects at a URL, each file's span goes through one row of a 2-D buffer, a window of files at a
+# time, checked with a CRC-32 call a file where its header records running CRC-32s (see [Note: one checksum a file
+# read]), else a call a piece, and each run's pieces are copied out at once.
 
 # [Note: one checksum a file read]
 # Checking ~100,000 small pieces one CRC-32 at a time costs a Python call and a view each (and one more view each for
@@ -208,7 +213,7 @@ class RowReads:
                 by_group.setdefault(run.group, []).append(run)
             scratch = np.empty(_SPAN_BYTES if runs else 0, dtype=np.uint8)  # one buffer for every window
             for g, group_runs in by_group.items():
-                _read_group(groups[g], group_runs, arrays, views, pool, scratch)
+                _read_group(groups[g], group_runs, arrays, views, pool, scratch, kept=handles)
         finally:
             if handles is None:
                 pool.close()
@@ -278,7 +283,8 @@ class RowReads:
             while s <= last:  # the groups cover first..last without a gap: every shard of it is needed
                 group = groups[g]
                 end = min(group.last, last)
-                check_piece(t.entry, placement.piece(s), group.headers[s - group.first])
+                # the shape alone: every file of the group records a CRC-32 for each of its tensors (``_groups``)
+                check_piece(t.entry, placement.piece(s), group.headers[s - group.first], checksum=False)
                 begin = group.table.entries[placement.key].begin
                 runs.append(_Run(g, s, end, begin, per * row_bytes, placement.key, i, (s * per - t.start) * row_bytes))
                 s, g = end + 1, g + 1
@@ -305,6 +311,7 @@ class RowReads:
         return t.into
 
 
+_SCATTERED_READS = scattered_reads.available()  # runs of local files read in place (see [Note: checking pieces ...])
 _GAP_BYTES = 64 * 2**10  # reads of one file closer than this are one read (fewer calls; little read twice)
 _SPAN_BYTES = 8 * 2**20  # ... up to this much at a time; and the buffer runs are read through (two fit in L3)
 _RUN_PIECE_BYTES = 2**20  # pieces up to this size are read in runs; a larger one alone, straight into its target
@@ -383,7 +390,8 @@ def _groups(files: CheckpointFiles, names: tuple[str, ...], ranges: list[tuple[i
 
 
 def _read_group(
-    group: _Group, runs: list[_Run], arrays: list[Any], views: list[memoryview], pool: FileHandles, scratch: Any
+    group: _Group, runs: list[_Run], arrays: list[Any], views: list[memoryview], pool: FileHandles, scratch: Any,
+    kept: FileHandles | None = None,
 ) -> None:
     """The pieces of ``runs`` from the files of ``group``. Their bytes lie at the same places in every file of the
     group: the places are joined into segments (pieces at most ``_gap_bytes`` apart, at most ``scratch``'s size).
@@ -392,6 +400,9 @@ def _read_group(
     file read]). Else they are scattered straight into the targets where the system can (``preadv``, the bytes
     between pieces into ``scratch``), or go through the 2-D buffer, and every piece is checked against its CRC-32.
     From the buffer, each run's pieces are copied to its target at once."""
+    if _SCATTERED_READS and _scatters(group.files) and not _overlapping(runs):
+        _read_group_scattered(group, runs, arrays, views, kept)
+        return
     segments: list[list[_Run]] = []
     gap, end = _gap_bytes(group.files), 0  # of the last segment
     for run in sorted(runs, key=lambda run: run.begin):
@@ -429,6 +440,82 @@ def _read_group(
             if checksums is not None:
                 _check_pieces_of(group, segment, w0, block, lo, checksums)
             _copy_runs(segment, w0, block, lo, arrays)
+
+
+def _overlapping(runs: list[_Run]) -> bool:
+    """Whether two of ``runs`` read the same bytes of one file (two targets asked for the same rows)."""
+    reading: list[_Run] = []  # runs begun before, not yet ended
+    for run in sorted(runs, key=lambda run: run.begin):
+        reading = [other for other in reading if other.begin + other.nbytes > run.begin]
+        if any(other.first <= run.last and run.first <= other.last for other in reading):
+            return True
+        reading.append(run)
+    return False
+
+
+def _read_group_scattered(
+    group: _Group, runs: list[_Run], arrays: list[Any], views: list[memoryview], kept: FileHandles | None
+) -> None:
+    """The pieces of ``runs`` from the local files of ``group``, each file's read in one call straight into the
+    targets (``ScatteredRead``), then each run's pieces checked with one CRC-32 call where they landed (see [Note:
+    checking pieces where they land]). Each file is opened once (``kept`` holds files open across reads, else each
+    is closed when read: its header, read in this load, checked it)."""
+    gap = np.empty(_GAP_BYTES, dtype=np.uint8)  # the bytes between two pieces of one read, not kept
+    ordered = sorted(runs, key=lambda run: run.begin)
+    cuts = sorted({run.first for run in runs} | {run.last + 1 for run in runs})
+    for first, stop in zip(cuts, cuts[1:]):  # shards first..stop-1 are read from by the same runs
+        active = [run for run in ordered if run.first <= first and stop - 1 <= run.last]
+        reads: list[tuple[ScatteredRead, int]] = []  # and where in the data section each starts
+        places: list[tuple[Any, int, int, int]] = []
+        lo = at = 0
+        for run in active:
+            if places and run.begin - at > _GAP_BYTES:  # far apart: two reads
+                reads.append((ScatteredRead(places, stop - first), lo))
+                places = []
+            if not places:
+                lo = at = run.begin
+            elif run.begin > at:
+                places.append((gap, 0, run.begin - at, 0))
+            places.append((arrays[run.target], run.at + (first - run.first) * run.nbytes, run.nbytes, run.nbytes))
+            at = run.begin + run.nbytes
+        if places:
+            reads.append((ScatteredRead(places, stop - first), lo))
+        for shard in range(first, stop):
+            name = group.shard_files[shard]
+            fd = cast(int, kept.get(group.files, name)) if kept is not None else group.files.reopen(name)
+            try:
+                start = group.headers[shard - group.first].data_start
+                for read, offset in reads:
+                    if read.read(fd, shard - first, start + offset) != read.nbytes:
+                        _short(group, shard)
+            finally:
+                if kept is None:
+                    os.close(fd)
+    checksums = _checksums_of(group)
+    if checksums is not None:
+        _check_landed(group, runs, views, checksums)
+
+
+def _check_landed(
+    group: _Group, runs: list[_Run], views: list[memoryview], checksums: tuple[Any, dict[str, int]]
+) -> None:
+    """Check each run's pieces where they landed in its target: one CRC-32 call a run, against the CRC-32 its
+    pieces' recorded ones combine to (see [Note: checking pieces where they land])."""
+    crcs, column = checksums
+    by_size: dict[int, list[_Run]] = {}
+    for run in runs:
+        by_size.setdefault(run.nbytes, []).append(run)
+    for nbytes, same in by_size.items():
+        width = max(run.last - run.first + 1 for run in same)
+        table = np.zeros((len(same), width), dtype=np.uint32)
+        for i, run in enumerate(same):
+            table[i, width - (run.last - run.first + 1) :] = crcs[run.first - group.first : run.last - group.first + 1,
+                                                                  column[run.key]]
+        for run, expected in zip(same, combined(table, nbytes).tolist()):
+            landed = views[run.target][run.at : run.at + (run.last - run.first + 1) * nbytes]
+            if zlib.crc32(landed) != expected:
+                pieces = [landed[j * nbytes : (j + 1) * nbytes] for j in range(run.last - run.first + 1)]
+                _corrupted(group, run, run.first, pieces)
 
 
 def _windows(
@@ -665,7 +752,9 @@ def _short(group: _Group, shard: int) -> NoReturn:
 def _corrupted(group: _Group, run: _Run, a: int, pieces: Any) -> NoReturn:
     """Raise for the first of ``pieces`` (shards ``a``.. of ``run``) whose CRC-32 is not the one its header records."""
     headers = group.headers[a - group.first :]
-    bad = next(j for j, piece in enumerate(pieces) if zlib.crc32(piece) != headers[j].crc32[run.key])
+    bad = next((j for j, piece in enumerate(pieces) if zlib.crc32(piece) != headers[j].crc32[run.key]), None)
+    if bad is None:
+        raise CheckpointError(f"Internal error: the pieces of {run.key!r} match their checksums but not together.")
     raise CheckpointError(
         f"Checkpoint file {group.files.directory / group.shard_files[a + bad]} is corrupted: {run.key!r} does not match"
         " its checksum."
