@@ -416,6 +416,35 @@ def test_a_damaged_running_crc32_in_a_header_is_refused(
         _read_all(ckpt)
 
 
+@pytest.mark.parametrize("damage", ["other digits", "not hex", "too short", "a number"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_damaged_crc32s_in_a_header_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str, in_place: bool
+) -> None:
+    model, ckpt = _linear_16(tmp_path)
+    monkeypatch.setattr(reader_module, "_SCATTERED_READS", in_place and reader_module._SCATTERED_READS)
+    shard = ckpt / shard_file_name(9, 16)
+
+    def edit(header: dict[str, Any]) -> None:
+        crcs = header["__metadata__"]["crc32"]  # the weight's, then the bias's
+        header["__metadata__"]["crc32"] = {
+            "other digits": crcs[:-8] + f"{int(crcs[-8:], 16) ^ 1:08x}", "not hex": crcs[:-1] + "g",
+            "too short": crcs[:-8], "a number": 7}[damage]
+
+    _edit_header(shard, edit)
+    if not in_place and damage in ("other digits", "not hex"):  # read checking the running CRC-32s: the data hold
+        assert inspect(ckpt).problems  # ... but inspect, which checks every piece, does not pass them
+        for name, value in _read_all(ckpt).items():
+            assert torch.equal(value, model.state_dict()[name]), name
+        return
+    if damage == "other digits":
+        message = rf"{shard.name} is corrupted: 'model/0\.bias' does not match its checksum"
+    else:
+        message = rf"{shard.name}: the header's 'crc32' metadata is not 8 hex digits for each of its 2 tensors"
+    with pytest.raises(CheckpointError, match=message):
+        _read_all(ckpt)
+
+
 def _strip_running_crc32s(ckpt: Path) -> None:
     """Make ``ckpt``'s shard files what a save wrote before the running CRC-32s were recorded."""
     for shard in ckpt.glob("shard-*.safetensors"):

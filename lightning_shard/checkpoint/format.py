@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, NoReturn, TypeGuard, cast
 
 import torch
 from torch import Tensor
@@ -310,32 +310,66 @@ class ChecksumDigits(NamedTuple):
 
 class Checksums(Mapping[str, int]):
     """The CRC-32s a header records, one per tensor of its table (tensor key -> CRC-32; ``at`` by position in data
-    order), kept as the 4-byte words the hex digits spell: a load reads the headers of hundreds of files but looks up
-    few of their checksums, so none is unpacked before it is asked for."""
+    order). A load reads the headers of hundreds of files but looks up few of their checksums one by one, so they
+    are kept as the hex digits the header holds (their count checked) and turned into 4-byte words only when asked
+    for (``words``), where a digit that is not hex is refused; a reader of many files joins their ``digits`` and
+    converts them at once."""
 
-    __slots__ = ("words", "_table")
+    __slots__ = ("_digits", "_words", "_table", "_path", "_key")
 
-    def __init__(self, words: bytes, table: TensorTable) -> None:
-        self.words = words  # big-endian, in the order of the table's data; empty when none is recorded
-        self._table = table
+    def __init__(self, digits: str | bytes | None, table: TensorTable, path: Path | str, key: str) -> None:
+        if digits is not None and (not isinstance(digits, (str, bytes)) or len(digits) != 8 * len(table.in_order)):
+            _damaged_digits(path, key, table)
+        self._digits = digits  # None: none recorded
+        self._words: bytes | None = None if digits is not None else b""
+        self._table, self._path, self._key = table, path, key
+
+    @property
+    def digits(self) -> bytes:
+        """The hex digits, 8 per tensor in data order, as the header holds them (empty when none is recorded)."""
+        if self._digits is None:
+            return b""
+        if isinstance(self._digits, bytes):
+            return self._digits
+        try:
+            return self._digits.encode("ascii")
+        except UnicodeEncodeError:
+            _damaged_digits(self._path, self._key, self._table)
+
+    @property
+    def words(self) -> bytes:
+        """The CRC-32s as 4-byte big-endian words, in the order of the table's data; empty when none is recorded."""
+        if self._words is None:
+            try:
+                self._words = binascii.unhexlify(self.digits)
+            except ValueError:  # not hex digits only
+                _damaged_digits(self._path, self._key, self._table)
+        return self._words
 
     def at(self, position: int) -> int:
         return int.from_bytes(self.words[4 * position : 4 * position + 4], "big")
 
     def __getitem__(self, key: str) -> int:
-        if not self.words:
+        if self._digits is None:
             raise KeyError(key)
         return self.at(self._table.positions[key])
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        position = self._table.positions.get(key) if self.words else None
+        position = self._table.positions.get(key) if self._digits is not None else None
         return self.at(position) if position is not None else default
 
     def __len__(self) -> int:
-        return len(self.words) // 4
+        return len(self._table.in_order) if self._digits is not None else 0
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._table.in_order if self.words else ())
+        return iter(self._table.in_order if self._digits is not None else ())
+
+
+def _damaged_digits(path: Path | str, key: str, table: TensorTable) -> NoReturn:
+    raise CheckpointError(
+        f"Checkpoint file {path}: the header's {key!r} metadata is not 8 hex digits for each of its"
+        f" {len(table.in_order)} tensors: it is damaged."
+    )
 
 
 class SafetensorsHeader(NamedTuple):
@@ -453,28 +487,12 @@ def _digits_spans(text: bytes, digits: Any, running: Any) -> ChecksumDigits | No
 
 def _checksums(path: Path | str, digits: Any, table: TensorTable) -> Checksums:
     """The CRC-32s a header's metadata records: 8 hex digits per tensor, in the order of their data."""
-    return Checksums(_hex_words(path, digits, table, CRC32_METADATA) if digits is not None else b"", table)
+    return Checksums(digits, table, path, CRC32_METADATA)
 
 
 def _running(path: Path | str, digits: Any, table: TensorTable) -> Checksums | None:
     """The running CRC-32s a header's metadata records: 8 hex digits per tensor, in the order of their data."""
-    return Checksums(_hex_words(path, digits, table, RUNNING_CRC32_METADATA), table) if digits is not None else None
-
-
-def _hex_words(path: Path | str, digits: Any, table: TensorTable, key: str) -> bytes:
-    """``digits`` (the metadata ``key``): 8 hex digits (no other character) for each tensor of ``table``, as 4 bytes
-    each."""
-    count = len(table.in_order)
-    try:
-        words = binascii.unhexlify(digits.encode("ascii") if isinstance(digits, str) else digits)
-    except (TypeError, ValueError):  # not a string, not ASCII, not hex digits only (all ValueErrors but the first)
-        words = None
-    if words is None or len(words) != 4 * count:
-        raise CheckpointError(
-            f"Checkpoint file {path}: the header's {key!r} metadata is not 8 hex digits for each of its"
-            f" {count} tensors: it is damaged."
-        )
-    return words
+    return Checksums(digits, table, path, RUNNING_CRC32_METADATA) if digits is not None else None
 
 
 class CheckpointFiles:

@@ -20,6 +20,7 @@ shorter than its header says fails the read instead of the process.
 
 from __future__ import annotations
 
+import binascii
 import bisect
 import itertools
 import math
@@ -727,7 +728,13 @@ def _checksums_of(group: _Group) -> tuple[Any, dict[str, int]] | None:
     each tensor's column; ``None`` when the checkpoint records none."""
     if not group.files.checksums_in_headers:
         return None
-    words = np.frombuffer(b"".join(header.crc32.words for header in group.headers), dtype=">u4")
+    try:  # every file's digits at once
+        joined = binascii.unhexlify(b"".join(header.crc32.digits for header in group.headers))
+    except ValueError:
+        for header in group.headers:
+            header.crc32.words  # noqa: B018 - raises, naming the file whose digits are not hex
+        raise
+    words = np.frombuffer(joined, dtype=">u4")
     crcs = words.astype(np.int64).reshape(len(group.headers), -1)  # in table order
     return crcs, {key: i for i, key in enumerate(group.table.in_order)}
 
