@@ -7,12 +7,13 @@ benchmarks, with its AdamW state, saved by W = 2, 8, 64, 256 and 1,024 ranks and
 W = 2 and W = 8 are real saves by that many gloo ranks (each trains the same AdamW step first); larger worlds are
 simulated: ``lightning_shard.testing_checkpoints.simulate_save`` writes, in one process, the directory a FULL_SHARD
 save by W ranks writes, with the save's own code (the test suite checks it byte for byte against a real save), from
-the same model after the same step. Each checkpoint is loaded by 2 gloo ranks (``load_checkpoint``'s steps into a
-meta-initialised, sharded GPT and its AdamW) REPEATS times, the checkpoints alternating; the figure is the median over
-repeats of the slower rank's wall time, with rank 0's CPU time beside it, and what rank 0 read: the headers (each file
-once) and the pieces it checked. ``inspect`` (every file's SHA-256 and every piece's CRC-32, one process) is timed
-once per checkpoint. Last, the index sizes of the 1B GPT and of Llama-70B's 723 tensors at large W
-(``simulated_index``: no tensor, no file) against the limit a load reads.
+the same model after the same step. Each checkpoint is loaded by 2 gloo ranks (``load_checkpoint``, as
+``fabric.load`` calls it, into a meta-initialised, sharded GPT and its AdamW) REPEATS times, the checkpoints
+alternating; the figure is the median over repeats of the slower rank's wall time, with rank 0's CPU time beside
+it, and what rank 0 read: the headers (each file once) and the pieces it checked. ``inspect`` (every file's
+SHA-256 and every piece's CRC-32, one process) is timed once per checkpoint. Last, the index sizes of the 1B GPT
+and of Llama-70B's 723 tensors at large W (``simulated_index``: no tensor, no file) against the limit a load
+reads.
 """
 
 from __future__ import annotations
@@ -68,13 +69,23 @@ def _save_worker(rank: int, world_size: int, port: int, path: str, done: Any) ->
 
 def _load_worker(rank: int, port: int, paths: list[str], repeats: int, out: Any) -> None:
     _init(rank, 2, port)
-    from lightning_shard.checkpoint.agreement import agree
-    from lightning_shard.checkpoint.load import load_model, load_optimizers, load_trainer_state
+    from lightning_shard.checkpoint import format as checkpoint_format
+    from lightning_shard.checkpoint import load_checkpoint
     from lightning_shard.engine import shard_model
+
+    shard_files: list[Any] = []  # each load's view of the shard files: what it read
+    opened = checkpoint_format.CheckpointFiles.__init__
+
+    def remembered(self: Any, *args: Any, **kwargs: Any) -> None:
+        opened(self, *args, **kwargs)
+        if self.checksums_in_headers:
+            shard_files.append(self)
+
+    checkpoint_format.CheckpointFiles.__init__ = remembered  # type: ignore[method-assign]
 
     with torch.device("meta"):
         model = GPT()
-    engine = shard_model(model, auto_wrap_policy={Block})
+    shard_model(model, auto_wrap_policy={Block})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     results: dict[str, Any] = {path: {"wall": [], "cpu": []} for path in paths}
     for _ in range(repeats):
@@ -82,12 +93,10 @@ def _load_worker(rank: int, port: int, paths: list[str], repeats: int, out: Any)
             directory = Path(path)
             dist.barrier()
             wall, cpu = time.perf_counter(), time.process_time()
-            _, index = agree(lambda: load_trainer_state(directory))  # noqa: B023 - called at once
-            load_model(engine, model, directory, index)
-            load_optimizers(engine, [optimizer], directory, index)
+            load_checkpoint(directory, model, [optimizer])
             results[path]["wall"].append(time.perf_counter() - wall)
             results[path]["cpu"].append(time.process_time() - cpu)
-            files = next(iter(index["tensors"].values())).files
+            files = shard_files[-1]
             results[path]["headers"], results[path]["pieces"] = len(files.headers_read), files.pieces_checked
     out.put((rank, results))
     dist.destroy_process_group()

@@ -132,12 +132,17 @@ def save_sharded(rank: int, world_size: int, path: str, model_class: type[nn.Mod
     return module_full_state(model, [optimizer])
 
 
-def load_counting(rank: int, world_size: int, path: str, model_class: type[nn.Module]) -> dict[str, Any]:
-    """Load ``path`` into a fresh sharded ``model_class`` and AdamW; the full state that arrived, and the work this
-    rank did: the files whose headers it read, the pieces it checked, every file it opened."""
+def load_counting(
+    rank: int, world_size: int, path: str, model_class: type[nn.Module], together: bool = False
+) -> dict[str, Any]:
+    """Load ``path`` into a fresh sharded ``model_class`` and AdamW, the model then the optimizer (``together``:
+    with ``load_checkpoint``, in one read); the full state that arrived, and the work this rank did: the files whose
+    headers it read, the pieces it checked, every file it opened (once per open)."""
     import builtins
     import os
 
+    from lightning_shard.checkpoint import format as checkpoint_format
+    from lightning_shard.checkpoint import load_checkpoint
     from lightning_shard.checkpoint.agreement import agree
     from lightning_shard.checkpoint.load import load_model, load_optimizers, load_trainer_state
 
@@ -155,14 +160,27 @@ def load_counting(rank: int, world_size: int, path: str, model_class: type[nn.Mo
             return opener(file, *args, **kwargs)
         return opening
 
+    shard_files: list[Any] = []  # the load's view of the shard files: what it read
+    real_init = checkpoint_format.CheckpointFiles.__init__
+
+    def remembered(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        if self.checksums_in_headers:
+            shard_files.append(self)
+
     builtins.open, os.open = record(real_open), record(real_os_open)  # type: ignore[assignment]
+    checkpoint_format.CheckpointFiles.__init__ = remembered  # type: ignore[method-assign]
     try:
         directory = Path(path)
-        _, index = agree(lambda: load_trainer_state(directory))
-        load_model(engine, model, directory, index)
-        load_optimizers(engine, [optimizer], directory, index)
+        if together:
+            load_checkpoint(directory, model, [optimizer])
+        else:
+            _, index = agree(lambda: load_trainer_state(directory))
+            load_model(engine, model, directory, index)
+            load_optimizers(engine, [optimizer], directory, index)
     finally:
         builtins.open, os.open = real_open, real_os_open  # type: ignore[assignment]
-    files = next(iter(index["tensors"].values())).files
+        checkpoint_format.CheckpointFiles.__init__ = real_init  # type: ignore[method-assign]
+    files = shard_files[-1]
     state = module_full_state(model, [optimizer])
     return {**state, "headers_read": files.headers_read, "pieces_checked": files.pieces_checked, "opened": opened}

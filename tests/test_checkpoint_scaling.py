@@ -14,6 +14,7 @@ import shutil
 import struct
 import types
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,21 @@ def test_a_checkpoint_of_1024_ranks_loads_on_2_reading_only_the_files_holding_th
         assert len(files) < 0.6 * SIMULATED_WORLD, len(files)
 
 
+def test_a_load_of_model_and_optimizer_together_opens_each_file_it_reads_twice(tall: dict[str, Any]) -> None:
+    """``load_checkpoint`` (``fabric.load``, and the Trainer when a fit restores its optimizers): the header, then the
+    model's and the optimizer's bytes in one read; apart, the bytes are read in two."""
+    for rank, (together, apart) in enumerate(zip(run_on_ranks(load_counting, 2, str(tall["path"]), TallGPT, True),
+                                                 run_on_ranks(load_counting, 2, str(tall["path"]), TallGPT))):
+        _assert_equal_states(together, tall["state"])
+        files, _ = _expected_work(rank, tall["model"], tall["optimizer"])
+        for loaded, opens in ((together, 2), (apart, 3)):
+            counts = Counter(Path(p).name for p in loaded["opened"] if Path(p).name in files)
+            assert set(counts) == files
+            assert sum(n == opens for n in counts.values()) >= 0.9 * len(files), (rank, opens, Counter(counts.values()))
+            first = counts.pop(shard_file_name(0, SIMULATED_WORLD))  # also holds whole tensors: read apart, once a pass
+            assert first <= 2 * opens - 1 and max(counts.values()) <= opens + 1  # +1: a cut piece (a rank's edge)
+
+
 def _open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -165,7 +181,7 @@ def loads_within_a_descriptor_limit(rank: int, world_size: int, path: str) -> di
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (before + 96, hard))
     try:
-        loaded = load_counting(rank, world_size, path, TallGPT)
+        loaded = load_counting(rank, world_size, path, TallGPT, together=True)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return {**loaded, "before": before, "after": _open_descriptors()}

@@ -79,14 +79,42 @@ def load_model(
     engine: ShardedModule, module: nn.Module, directory: Location, index: dict[str, Any], strict: bool = True
 ) -> LoadResult:
     """Copy this rank's rows of every parameter (and every buffer) from the checkpoint into ``module``. Collective."""
+    return load_model_and_optimizers(engine, module, [], directory, index, strict, with_optimizers=False)
+
+
+def load_model_and_optimizers(
+    engine: ShardedModule,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    directory: Location,
+    index: dict[str, Any],
+    strict: bool = True,
+    with_optimizers: bool = True,
+) -> LoadResult:
+    """``load_model``, then ``load_optimizers`` (with ``with_optimizers``), in one read: each shard file is opened
+    once for both (see [Note: reading only what a rank needs]). Collective."""
     ties = model_ties(index)
     available = covered_keys(engine, {key for key, _ in iter_index_tensors(index, MODEL_PREFIX)} | set(ties))
     # A checkpoint that left weights out: they are checked before the next forward instead of counting as missing
     # (see [Note: weights a checkpoint leaves out]).
     accounted = expect_left_out(engine, module, index.get(LEFT_OUT, {}), directory, strict)
     result = check_model_keys(module, available | accounted, strict, "The checkpoint")
-    agree(lambda: _load_model_rows(engine, module, directory, index, ties))
+    saved = index.get("optimizers", []) if with_optimizers else []
+    if with_optimizers and len(saved) != len(optimizers):
+        raise CheckpointError(f"The checkpoint holds {len(saved)} optimizer states; the model has {len(optimizers)}.")
+
+    def read() -> list[dict[str, Any]]:
+        reads = RowReads()
+        _add_model_rows(reads, engine, module, directory, index, ties)
+        states = [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads)
+                  for i, (opt, meta) in enumerate(zip(optimizers, saved))]
+        reads.run()
+        return states
+
+    states = agree(read)
     engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
+    for optimizer, state in zip(optimizers, states):
+        optimizer.load_state_dict(state)
     return result
 
 
@@ -113,9 +141,16 @@ def check_model_keys(module: nn.Module, available: set[str], strict: bool, sourc
     return result
 
 
-def _load_model_rows(
-    engine: ShardedModule, module: nn.Module, directory: Location, index: dict[str, Any], ties: dict[str, str]
+def _add_model_rows(
+    reads: RowReads,
+    engine: ShardedModule,
+    module: nn.Module,
+    directory: Location,
+    index: dict[str, Any],
+    ties: dict[str, str],
 ) -> None:
+    """Add to ``reads`` this rank's rows of every parameter and buffer the checkpoint holds, straight into the shards
+    and buffers (checked against the model's shapes first)."""
     entries = dict(iter_index_tensors(index, MODEL_PREFIX))
     plan = []
     for p in engine.sharded_params():
@@ -129,12 +164,10 @@ def _load_model_rows(
     if mismatched:  # checked before anything is allocated or read
         raise CheckpointError("Checkpoint tensors do not match the model's shapes: " + "; ".join(mismatched))
     require_complete(directory, entries, [key for key, _, _ in targets])
-    reads = RowReads()  # straight into the shards and buffers; a failure stops all ranks via agree()
-    for key, p in plan:
+    for key, p in plan:  # a failure stops all ranks via agree()
         reads.add(entries[key], p.first_row, p.first_row + p.local_rows, p.sharded)
     for key, buf in buffers:
         reads.add(entries[key], 0, entries[key].rows, buf)
-    reads.run()
 
 
 def _mismatch(key: str, entry: StoredTensor, shape: Any, dtype: torch.dtype) -> str | None:
@@ -155,9 +188,15 @@ def load_optimizers(
     saved = index.get("optimizers", [])
     if len(saved) != len(optimizers):
         raise CheckpointError(f"The checkpoint holds {len(saved)} optimizer states; the model has {len(optimizers)}.")
-    states = agree(lambda: [_optimizer_state(engine, opt, i, meta, directory, index, strict)
-                            for i, (opt, meta) in enumerate(zip(optimizers, saved))])
-    for optimizer, state in zip(optimizers, states):
+
+    def read() -> list[dict[str, Any]]:
+        reads = RowReads()
+        states = [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads)
+                  for i, (opt, meta) in enumerate(zip(optimizers, saved))]
+        reads.run()
+        return states
+
+    for optimizer, state in zip(optimizers, agree(read)):
         optimizer.load_state_dict(state)
 
 
@@ -169,7 +208,9 @@ def _optimizer_state(
     directory: Location,
     index: dict[str, Any],
     strict: bool,
+    reads: RowReads,
 ) -> dict[str, Any]:
+    """Optimizer ``i``'s state dict, its per-parameter tensors to be filled by ``reads`` (added to it here)."""
     by_shard = {id(p.sharded): p for p in engine.sharded_params()}
     current = [[by_shard[id(q)].fqn for q in group["params"]] for group in optimizer.param_groups]
     position = {name: j for j, name in enumerate(n for group in current for n in group)}
@@ -189,7 +230,6 @@ def _optimizer_state(
     _check_optimizer_shapes(i, entries, sharded)  # before anything is allocated or read
     require_complete(directory, dict(entries))
     row_states = meta.get("scalar_param_states", {})  # see docs/checkpoint_format.md; checked by read_index
-    reads = RowReads()
     for key, entry in entries:  # each read into a tensor shaped as the model's rows (or 0-dim): nothing else
         fqn, name = key.rsplit("/", 1)
         p = sharded[fqn]
@@ -200,7 +240,6 @@ def _optimizer_state(
             value = torch.empty((), dtype=entry.dtype)
             reads.add(entry, 0, 1, value)
         state.setdefault(position[fqn], {})[name] = value  # load_state_dict() moves it as the optimizer wants
-    reads.run()
     for fqn, values in meta.get("values", {}).items():
         if fqn in position:
             decoded = {k: _decoded(v, f"Optimizer {i}'s {k!r} of {fqn}", directory) for k, v in values.items()}

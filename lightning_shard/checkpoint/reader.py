@@ -466,6 +466,8 @@ def _read_group_scattered(
     cuts = sorted({run.first for run in runs} | {run.last + 1 for run in runs})
     for first, stop in zip(cuts, cuts[1:]):  # shards first..stop-1 are read from by the same runs
         active = [run for run in ordered if run.first <= first and stop - 1 <= run.last]
+        staged, stride = _staged(active, stop - first)
+        staging = np.empty((stop - first, stride), dtype=np.uint8)
         reads: list[tuple[ScatteredRead, int]] = []  # and where in the data section each starts
         places: list[tuple[Any, int, int, int]] = []
         lo = at = 0
@@ -477,7 +479,11 @@ def _read_group_scattered(
                 lo = at = run.begin
             elif run.begin > at:
                 places.append((gap, 0, run.begin - at, 0))
-            places.append((arrays[run.target], run.at + (first - run.first) * run.nbytes, run.nbytes, run.nbytes))
+            if run in staged:
+                places.append((staging, staged[run], run.nbytes, stride))
+            else:
+                places.append((arrays[run.target], run.at + (first - run.first) * run.nbytes, run.nbytes,
+                               run.nbytes))
             at = run.begin + run.nbytes
         if places:
             reads.append((ScatteredRead(places, stop - first), lo))
@@ -492,9 +498,32 @@ def _read_group_scattered(
             finally:
                 if kept is None:
                     os.close(fd)
+        for run, column in staged.items():  # each small run out of the buffer at once
+            into = arrays[run.target][run.at + (first - run.first) * run.nbytes :]
+            into[: (stop - first) * run.nbytes].reshape(stop - first, run.nbytes)[...] = staging[
+                :, column : column + run.nbytes]
     checksums = _checksums_of(group)
     if checksums is not None:
         _check_landed(group, runs, views, checksums)
+
+
+_STAGED_PIECE_BYTES = 64  # pieces this small are read into a buffer, next to each other (see [Note: small pieces
+_STAGING_BYTES = 8 * 2**20  # together] in save.py); at most this much buffer at a time
+
+
+def _staged(runs: list[_Run], files: int) -> tuple[dict[_Run, int], int]:
+    """Which of ``runs`` (sorted by place) go through a buffer, one row a file: small pieces, where at least two lie
+    next to each other (one place in the read for all of them); each one's column, and the row's length."""
+    small = [run for run in runs if run.nbytes <= _STAGED_PIECE_BYTES]
+    adjacent = {b for a, b in zip(small, small[1:]) if a.begin + a.nbytes == b.begin}
+    adjacent |= {a for a, b in zip(small, small[1:]) if a.begin + a.nbytes == b.begin}
+    columns: dict[_Run, int] = {}
+    stride = 0
+    for run in small:
+        if run in adjacent and (stride + run.nbytes) * files <= _STAGING_BYTES:
+            columns[run] = stride
+            stride += run.nbytes
+    return columns, stride
 
 
 def _check_landed(

@@ -39,6 +39,19 @@ def available() -> bool:
     return _PREADV is not None
 
 
+def _joined(places: list[tuple[Any, int, int, int]]) -> list[tuple[Any, int, int, int]]:
+    """``places`` with each run of places that continue one another in one buffer (same step) as one."""
+    out: list[tuple[Any, int, int, int]] = []
+    for place in places:
+        if out:
+            buffer, start, length, step = out[-1]
+            if place[0] is buffer and place[3] == step and place[1] == start + length:
+                out[-1] = (buffer, start, length + place[2], step)
+                continue
+        out.append(place)
+    return out
+
+
 class ScatteredRead:
     """Bytes ``[offset, offset + nbytes)`` of files alike into places that move by a fixed step from one file to the
     next: ``places`` are ``(buffer, start, length, step)``, in the order of their bytes in the file, each right after
@@ -49,6 +62,7 @@ class ScatteredRead:
         for buffer, start, length, step in places:
             if start < 0 or length < 0 or step < 0 or start + (count - 1) * step + length > buffer.nbytes:
                 raise ValueError("Internal error: a scattered read would write outside its buffer.")
+        places = _joined(places)
         self._buffers = [buffer for buffer, _, _, _ in places]  # kept alive: the addresses point into them
         addresses = np.array([buffer.ctypes.data + start for buffer, start, _, _ in places], dtype=np.uint64)
         steps = np.array([step for _, _, _, step in places], dtype=np.uint64)

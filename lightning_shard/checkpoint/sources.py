@@ -27,7 +27,13 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.foreign import ForeignCheckpoint
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
-from lightning_shard.checkpoint.load import LoadResult, load_model, load_optimizers, load_trainer_state
+from lightning_shard.checkpoint.load import (
+    LoadResult,
+    load_model,
+    load_model_and_optimizers,
+    load_optimizers,
+    load_trainer_state,
+)
 from lightning_shard.checkpoint.storage import Location, RemoteDirectory, is_url
 from lightning_shard.engine.sharded_module import ShardedModule
 
@@ -94,6 +100,15 @@ class CheckpointSource(ABC):
     def load_optimizers(self, engine: ShardedModule, optimizers: Sequence[Optimizer], strict: bool) -> None:
         """Fill ``optimizers`` (all the checkpoint holds, in order) with this rank's rows of their state."""
 
+    def load_model_and_optimizers(
+        self, engine: ShardedModule, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool
+    ) -> LoadResult:
+        """``load_model``, then ``load_optimizers`` (none: the model alone)."""
+        result = self.load_model(engine, module, strict)
+        if optimizers:
+            self.load_optimizers(engine, optimizers, strict)
+        return result
+
 
 class ShardDirectory(CheckpointSource):
     """A lightning_shard checkpoint directory (see docs/checkpoint_format.md)."""
@@ -116,6 +131,13 @@ class ShardDirectory(CheckpointSource):
 
     def load_optimizers(self, engine: ShardedModule, optimizers: Sequence[Optimizer], strict: bool) -> None:
         load_optimizers(engine, optimizers, self.path, self.index, strict=strict)
+
+    def load_model_and_optimizers(
+        self, engine: ShardedModule, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool
+    ) -> LoadResult:
+        """Both in one read: each shard file opened once for the model's rows and the optimizers'."""
+        return load_model_and_optimizers(engine, module, optimizers, self.path, self.index, strict,
+                                         with_optimizers=bool(optimizers))
 
 
 class ForeignSource(CheckpointSource):

@@ -99,10 +99,7 @@ def load_checkpoint(
             f"{target} stores the state of {stored} optimizer(s) and {len(optimizers)} were given to load it"
             " into: pass all of them, in the order they were saved, or none."
         )
-    result = source.load_model(engine, module, strict)
-    if optimizers:
-        source.load_optimizers(engine, optimizers, strict)
-    return values, result
+    return values, source.load_model_and_optimizers(engine, module, optimizers or [], strict)
 
 
 def _target(path: str | os.PathLike[str] | RemoteDirectory, storage_options: dict[str, Any] | None) -> Location:

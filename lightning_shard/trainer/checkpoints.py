@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping, Sequence
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -43,15 +44,34 @@ def read_trainer_checkpoint(path: Location) -> dict[str, Any]:
     return state
 
 
-def load_model_state(engine: ShardedModule, module: nn.Module, checkpoint: Mapping[str, Any], strict: bool) -> None:
-    """This rank's rows of every parameter and every buffer, from the checkpoint ``read_trainer_checkpoint`` read."""
+class OptimizerStates(Enum):
+    """What a checkpoint dict's ``"optimizer_states"`` holds once the model's load has read them too."""
+
+    READ_WITH_THE_MODEL = "read with the model"
+
+
+def load_model_state(
+    engine: ShardedModule,
+    module: nn.Module,
+    checkpoint: Mapping[str, Any],
+    strict: bool,
+    optimizers: Sequence[Optimizer] = (),
+) -> None:
+    """This rank's rows of every parameter and every buffer, from the checkpoint ``read_trainer_checkpoint`` read.
+    With ``optimizers`` (a fit that restores them next, as many as the checkpoint holds), their states are read and
+    loaded in the same pass, each shard file opened once for both, as Lightning's ``FSDPStrategy`` loads both in
+    its ``load_checkpoint``; ``load_optimizer_states`` then finds them loaded."""
     source = checkpoint["state_dict"]
     if not isinstance(source, CheckpointSource):
         raise TypeError(
             "ShardStrategy loads model state from its checkpoint directories; to load a plain model file use"
             " lightning_shard.load_safetensors_into()."
         )
-    result = source.load_model(engine, module, strict)
+    states = checkpoint.get("optimizer_states")
+    together = list(optimizers) if states and source.optimizer_count == len(optimizers) else []
+    result = source.load_model_and_optimizers(engine, module, together, strict)
+    if together:
+        cast(dict[str, Any], checkpoint)["optimizer_states"] = [OptimizerStates.READ_WITH_THE_MODEL] * len(together)
     if result.missing_keys or result.unexpected_keys:
         rank_zero_warn(
             f"Loaded {source.path} with strict=False: missing keys {result.missing_keys},"
@@ -63,7 +83,7 @@ def load_optimizer_states(
     engine: ShardedModule, optimizers: Sequence[Optimizer], checkpoint: Mapping[str, Any], strict: bool
 ) -> None:
     sources = checkpoint["optimizer_states"]
-    if sources:
+    if sources and sources[0] is not OptimizerStates.READ_WITH_THE_MODEL:
         sources[0].load_optimizers(engine, optimizers, strict)
 
 

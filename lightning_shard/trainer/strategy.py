@@ -452,8 +452,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The model's rows; in a fit, the optimizers' too, in the same read (``load_model_state``)."""
         assert self.lightning_module is not None
-        load_model_state(self.engine, self.lightning_module, checkpoint, strict)
+        restores = self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.lightning_restore_optimizer
+        optimizers = self.optimizers if restores else []
+        load_model_state(self.engine, self.lightning_module, checkpoint, strict, optimizers)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
