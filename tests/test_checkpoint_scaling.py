@@ -360,6 +360,29 @@ def _counting_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return calls
 
 
+def test_a_shard_file_holds_its_small_pieces_first_in_each_part(tmp_path: Path) -> None:
+    """See [Note: small pieces together] in lightning_shard/checkpoint/save.py."""
+    model, optimizer = trained_plain(TinyGPT)
+    ckpt = simulate_save(tmp_path / "ckpt", model, 16, [optimizer])
+    module_order = [name for name, _ in model.named_parameters()]
+    for shard in sorted(ckpt.glob("shard-*.safetensors")):
+        raw = shard.read_bytes()
+        header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+        header.pop("__metadata__")
+        in_order = sorted(header, key=lambda key: header[key]["data_offsets"])
+        parts = [key.split("/")[0] for key in in_order]
+        assert parts == sorted(parts, key=["model", "optimizer"].index), shard.name  # the model's part first
+        for part in ("model", "optimizer"):
+            keys = [key for key in in_order if key.startswith(part)]
+            small = [(lambda b, e: e - b <= 64)(*header[key]["data_offsets"]) for key in keys]
+            assert small == sorted(small, reverse=True), (shard.name, part)  # small ones first
+            for group in (True, False):  # each in the module's order
+                names = [key.split("/")[-1] if part == "model" else key.split("/")[2]
+                         for key, s in zip(keys, small) if s is group]
+                assert names == sorted(names, key=module_order.index), (shard.name, part, group)
+        assert any(small) and not all(small), shard.name
+
+
 def test_a_shard_file_records_the_running_crc32_of_its_data_at_each_tensor_end(tmp_path: Path) -> None:
     model, optimizer = trained_plain(TinyGPT)
     ckpt = simulate_save(tmp_path / "ckpt", model, 2, [optimizer])
