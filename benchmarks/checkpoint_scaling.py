@@ -69,19 +69,9 @@ def _save_worker(rank: int, world_size: int, port: int, path: str, done: Any) ->
 
 def _load_worker(rank: int, port: int, paths: list[str], repeats: int, out: Any) -> None:
     _init(rank, 2, port)
-    from lightning_shard.checkpoint import format as checkpoint_format
     from lightning_shard.checkpoint import load_checkpoint
     from lightning_shard.engine import shard_model
-
-    shard_files: list[Any] = []  # each load's view of the shard files: what it read
-    opened = checkpoint_format.CheckpointFiles.__init__
-
-    def remembered(self: Any, *args: Any, **kwargs: Any) -> None:
-        opened(self, *args, **kwargs)
-        if self.checksums_in_headers:
-            shard_files.append(self)
-
-    checkpoint_format.CheckpointFiles.__init__ = remembered  # type: ignore[method-assign]
+    from lightning_shard.testing_checkpoints import shard_files_read
 
     with torch.device("meta"):
         model = GPT()
@@ -92,8 +82,9 @@ def _load_worker(rank: int, port: int, paths: list[str], repeats: int, out: Any)
         for path in paths:  # alternating: the machine's drift reaches every checkpoint alike
             directory = Path(path)
             dist.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
-            load_checkpoint(directory, model, [optimizer])
+            with shard_files_read() as shard_files:  # what the load read
+                wall, cpu = time.perf_counter(), time.process_time()
+                load_checkpoint(directory, model, [optimizer])
             results[path]["wall"].append(time.perf_counter() - wall)
             results[path]["cpu"].append(time.process_time() - cpu)
             files = shard_files[-1]

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,13 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError, shard_file_name
+from lightning_shard.checkpoint.format import (
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    CheckpointError,
+    CheckpointFiles,
+    shard_file_name,
+)
 from lightning_shard.checkpoint.index import FileRecord, SavedTensor, build_index, encode_index
 from lightning_shard.checkpoint.layout import shard_rows
 from lightning_shard.checkpoint.save import (
@@ -173,3 +180,23 @@ def simulated_index(
     if not param_shapes:
         raise CheckpointError("simulated_index needs at least one parameter.")
     return encode_index(build_index(head, tensors, records))
+
+
+@contextmanager
+def shard_files_read() -> Iterator[list[CheckpointFiles]]:
+    """Within it, every view of a checkpoint's shard files that a load makes (a ``CheckpointFiles`` whose
+    ``headers_read`` and ``pieces_checked`` say what the load read), in order: for tests and benchmarks that count
+    a load's work through the public functions."""
+    made: list[CheckpointFiles] = []
+    real = CheckpointFiles.__init__
+
+    def remembered(self: CheckpointFiles, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        if self.checksums_in_headers:  # a checkpoint's shard files, not a trainer state's or a model file's
+            made.append(self)
+
+    CheckpointFiles.__init__ = remembered  # type: ignore[method-assign]
+    try:
+        yield made
+    finally:
+        CheckpointFiles.__init__ = real  # type: ignore[method-assign]

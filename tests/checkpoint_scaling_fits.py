@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_shard.checkpoint import load_checkpoint, save_checkpoint
 from lightning_shard.engine import shard_model
+from lightning_shard.testing_checkpoints import shard_files_read
 from tests.checkpoint_fits import module_full_state
 from tests.models import GPTBlock, TinyGPT, make_dataset
 
@@ -141,8 +142,6 @@ def load_counting(
     import builtins
     import os
 
-    from lightning_shard.checkpoint import format as checkpoint_format
-    from lightning_shard.checkpoint import load_checkpoint
     from lightning_shard.checkpoint.agreement import agree
     from lightning_shard.checkpoint.load import load_model, load_optimizers, load_trainer_state
 
@@ -160,27 +159,18 @@ def load_counting(
             return opener(file, *args, **kwargs)
         return opening
 
-    shard_files: list[Any] = []  # the load's view of the shard files: what it read
-    real_init = checkpoint_format.CheckpointFiles.__init__
-
-    def remembered(self: Any, *args: Any, **kwargs: Any) -> None:
-        real_init(self, *args, **kwargs)
-        if self.checksums_in_headers:
-            shard_files.append(self)
-
     builtins.open, os.open = record(real_open), record(real_os_open)  # type: ignore[assignment]
-    checkpoint_format.CheckpointFiles.__init__ = remembered  # type: ignore[method-assign]
     try:
         directory = Path(path)
-        if together:
-            load_checkpoint(directory, model, [optimizer])
-        else:
-            _, index = agree(lambda: load_trainer_state(directory))
-            load_model(engine, model, directory, index)
-            load_optimizers(engine, [optimizer], directory, index)
+        with shard_files_read() as shard_files:
+            if together:
+                load_checkpoint(directory, model, [optimizer])
+            else:
+                _, index = agree(lambda: load_trainer_state(directory))
+                load_model(engine, model, directory, index)
+                load_optimizers(engine, [optimizer], directory, index)
     finally:
         builtins.open, os.open = real_open, real_os_open  # type: ignore[assignment]
-        checkpoint_format.CheckpointFiles.__init__ = real_init  # type: ignore[method-assign]
     files = shard_files[-1]
     state = module_full_state(model, [optimizer])
     return {**state, "headers_read": files.headers_read, "pieces_checked": files.pieces_checked, "opened": opened}

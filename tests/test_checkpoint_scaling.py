@@ -399,31 +399,18 @@ def test_a_shard_file_records_the_running_crc32_of_its_data_at_each_tensor_end(t
         assert int(running[-8:], 16) == zlib.crc32(data)  # the last: the whole data section
 
 
-def test_pieces_read_in_place_are_checked_with_one_crc32_call_a_run_and_a_corrupted_byte_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("in_place", "calls"), [(True, 2), (False, 16)])
+def test_small_pieces_are_checked_with_one_crc32_call_a_run_or_a_file_and_a_corrupted_byte_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool, calls: int
 ) -> None:
+    """32 pieces: read in place, one call for each tensor's 16; through a buffer, one call a file."""
     model, ckpt = _linear_16(tmp_path)
-    calls = _counting_calls(monkeypatch)
+    monkeypatch.setattr(reader_module, "_SCATTERED_READS", in_place and reader_module._SCATTERED_READS)
+    counted = _counting_calls(monkeypatch)
     for name, value in _read_all(ckpt).items():
         assert torch.equal(value, model.state_dict()[name]), name
-    assert calls == {"crc32": 2, "pieces checked on their own": 0}  # 32 pieces: one call for each tensor's 16
-    shard = ckpt / shard_file_name(9, 16)
-    data = bytearray(shard.read_bytes())
-    data[-40] ^= 0x01  # one bit of the weight's piece (the bias is the last 16 bytes)
-    shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: 'model/0\.weight' does not match"):
-        _read_all(ckpt)
-
-
-def test_small_pieces_through_a_buffer_are_checked_with_one_crc32_call_a_file_and_a_corrupted_byte_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, ckpt = _linear_16(tmp_path)
-    monkeypatch.setattr(reader_module, "_SCATTERED_READS", False)
-    calls = _counting_calls(monkeypatch)
-    for name, value in _read_all(ckpt).items():
-        assert torch.equal(value, model.state_dict()[name]), name
-    assert calls == {"crc32": 16, "pieces checked on their own": 0}  # 32 pieces, one call a file
+    assert counted == {"crc32": calls if reader_module._SCATTERED_READS == in_place else 16,  # no C preadv: 16
+                       "pieces checked on their own": 0}
     shard = ckpt / shard_file_name(9, 16)
     data = bytearray(shard.read_bytes())
     data[-40] ^= 0x01  # one bit of the weight's piece (the bias is the last 16 bytes)
