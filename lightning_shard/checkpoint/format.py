@@ -268,7 +268,10 @@ class TensorTable:
         then it parses to this table (the digits are checked to be hex by ``_checksums``)."""
         if data_bytes != self.data_bytes or len(text) != len(self.text) or self.crc_digits is None:
             return False
-        return all(text.startswith(fixed, at) for at, fixed in self._fixed_parts)  # compared in place, in C
+        for at, fixed in self._fixed_parts:  # compared in place, in C
+            if not text.startswith(fixed, at):
+                return False
+        return True
 
     @cached_property
     def _fixed_parts(self) -> list[tuple[int, bytes]]:
@@ -527,7 +530,7 @@ class CheckpointFiles:
             return cast(BinaryIO, self._open_remote(name))
         return os.fdopen(self.open_local(name)[0], "rb")
 
-    def open_local(self, name: str) -> tuple[int, int]:
+    def open_local(self, name: str, path: str | None = None) -> tuple[int, int]:
         """A file of this local directory opened for reading as a raw descriptor (the caller closes it), checked as
         ``open`` checks it, and its size. A symlink is followed only once it is known to stay inside the directory
         (``member_path``); a plain file is opened without that ``lstat``, as a link is refused by the open itself.
@@ -539,10 +542,9 @@ class CheckpointFiles:
                 member_path(cast(Path, self.directory), name)
                 self._links.add(name)
             self._checked.add(name)
-        path = self._local_path(name)
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
-        if name not in self._links:
-            flags |= _NO_FOLLOW
+        if path is None:
+            path = self._local_path(name)
+        flags = _READ_FLAGS if name in self._links else _READ_FLAGS | _NO_FOLLOW
         try:
             fd = os.open(name, flags, dir_fd=self._dir_fd) if self._dir_fd is not None else os.open(path, flags)
         except FileNotFoundError:
@@ -575,7 +577,7 @@ class CheckpointFiles:
         reading, as a raw descriptor: a short read still says if it shrank since, its checksums if it changed."""
         if name not in self._headers:
             raise ValueError(f"Internal error: {name} is reopened before its header was read.")
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if name in self._links else _NO_FOLLOW)
+        flags = _READ_FLAGS if name in self._links else _READ_FLAGS | _NO_FOLLOW
         try:
             return os.open(name, flags, dir_fd=self._dir_fd) if self._dir_fd is not None else os.open(
                 self._local_path(name), flags)
@@ -641,11 +643,12 @@ class CheckpointFiles:
     def _local_header(self, name: str) -> SafetensorsHeader:
         """The header of a local file, read in one call where it is as long as the last one read (files of one
         save mostly are)."""
-        fd, size = self.open_local(name)
+        path = self._local_path(name)
+        fd, size = self.open_local(name, path)
         try:
             like = self._last_table
             head = os.pread(fd, min(size, 8 + (len(like.text) if like is not None else _HEADER_GUESS)), 0)
-            length = _header_length(head, self._local_path(name), size)
+            length = _header_length(head, path, size)
             text = head[8 : 8 + length]
             while len(text) < length:
                 more = os.pread(fd, length - len(text), 8 + len(text))
@@ -654,7 +657,7 @@ class CheckpointFiles:
                 text += more
         finally:
             os.close(fd)
-        return parse_header(text, self._local_path(name), size, like)
+        return parse_header(text, path, size, like)
 
     def _local_path(self, name: str) -> str:
         """The path of a file of this local directory, for messages and opens outside ``held_open``."""
@@ -663,6 +666,7 @@ class CheckpointFiles:
 
 _HEADER_GUESS = 64 * 2**10  # bytes read at once for a header of unknown length
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # where there is none, every name is checked by ``member_path``
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)  # never blocks on a pipe
 
 
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
