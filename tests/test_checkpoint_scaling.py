@@ -26,7 +26,7 @@ from lightning_shard import CheckpointError, consolidate, inspect
 from lightning_shard.checkpoint import consolidate as consolidate_module
 from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint import reader as reader_module
-from lightning_shard.checkpoint.format import INDEX_FILE, MAX_JSON_BYTES, shard_file_name
+from lightning_shard.checkpoint.format import INDEX_FILE, MAX_JSON_BYTES, SMALL_PIECE_BYTES, shard_file_name
 from lightning_shard.checkpoint.index import read_index
 from lightning_shard.checkpoint.layout import shard_rows
 from lightning_shard.checkpoint.reader import RowReads, read_rows
@@ -374,7 +374,7 @@ def test_a_shard_file_holds_its_small_pieces_first_in_each_part(tmp_path: Path) 
         assert parts == sorted(parts, key=["model", "optimizer"].index), shard.name  # the model's part first
         for part in ("model", "optimizer"):
             keys = [key for key in in_order if key.startswith(part)]
-            small = [(lambda b, e: e - b <= 64)(*header[key]["data_offsets"]) for key in keys]
+            small = [(lambda b, e: e - b <= SMALL_PIECE_BYTES)(*header[key]["data_offsets"]) for key in keys]
             assert small == sorted(small, reverse=True), (shard.name, part)  # small ones first
             for group in (True, False):  # each in the module's order
                 names = [key.split("/")[-1] if part == "model" else key.split("/")[2]

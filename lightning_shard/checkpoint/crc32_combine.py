@@ -34,6 +34,7 @@ def _byte_table() -> Any:
 
 
 _CRC_TABLE = _byte_table()
+_NO_BYTES = np.arange(256, dtype=np.uint32) << (8 * np.arange(4, dtype=np.uint32)[:, None])  # lane j: byte j, as is
 
 
 def _apply(table: ShiftTable, crcs: Any) -> Any:
@@ -52,8 +53,7 @@ def _power_of_two(m: int) -> ShiftTable:
     if m:
         half = _power_of_two(m - 1)
         return _after(half, half)
-    register = np.arange(256, dtype=np.uint32) << (8 * np.arange(4, dtype=np.uint32)[:, None])  # lane j: byte j
-    return (register >> 8) ^ _CRC_TABLE[register & 255]  # one zero byte through the CRC register
+    return (_NO_BYTES >> 8) ^ _CRC_TABLE[_NO_BYTES & 255]  # one zero byte through the CRC register
 
 
 @functools.lru_cache(maxsize=256)
@@ -64,8 +64,7 @@ def _levels(nbytes: int, count: int) -> list[ShiftTable]:
         if n & 1:
             table = _power_of_two(m) if table is None else _after(_power_of_two(m), table)
         n, m = n >> 1, m + 1
-    levels = [table if table is not None else np.tile(np.arange(256, dtype=np.uint32), (4, 1)) << (
-        8 * np.arange(4, dtype=np.uint32)[:, None])]
+    levels = [table if table is not None else _NO_BYTES]
     for _ in range(count - 1):
         levels.append(_after(levels[-1], levels[-1]))
     return levels

@@ -48,6 +48,7 @@ MODEL_PREFIX = "model/"  # index keys of model tensors: "model/" + LightningModu
 OPTIMIZER_PREFIX = "optimizer/"  # "optimizer/{i}/{parameter name}/{state name}"
 CRC32_METADATA = "crc32"  # a header's "__metadata__" entry: each tensor's CRC-32, 8 hex digits, in data order
 RUNNING_CRC32_METADATA = "crc32_running"  # ... and at each tensor's end, the CRC-32 of the data section up to there
+SMALL_PIECE_BYTES = 64  # a shard file holds pieces this small first in each part (see [Note: small pieces together])
 
 # The one limit on a checkpoint's JSON members (index.json, trainer_state.json): a load refuses a larger one, and a
 # save refuses to write one, before anything is committed. An index of the current version grows with tensors + files
@@ -265,7 +266,7 @@ class TensorTable:
 
     def same_but_checksums(self, text: bytes, data_bytes: int) -> bool:
         """Whether a header of ``text`` (for ``data_bytes`` of data) is this one but for the checksums' hex digits:
-        then it parses to this table (the digits are checked to be hex by ``_checksums``)."""
+        then it parses to this table (the digits are counted by ``Checksums``, checked to be hex when used)."""
         if data_bytes != self.data_bytes or len(text) != len(self.text) or self.crc_digits is None:
             return False
         for at, fixed in self._fixed_parts:  # compared in place, in C
@@ -544,11 +545,8 @@ class CheckpointFiles:
             self._checked.add(name)
         if path is None:
             path = self._local_path(name)
-        flags = _READ_FLAGS if name in self._links else _READ_FLAGS | _NO_FOLLOW
         try:
-            fd = os.open(name, flags, dir_fd=self._dir_fd) if self._dir_fd is not None else os.open(path, flags)
-        except FileNotFoundError:
-            raise CheckpointError(f"Checkpoint file {path} is missing.") from None
+            fd = self._os_open(name, path)
         except OSError as err:
             if err.errno != errno.ELOOP or name in self._links:
                 raise
@@ -577,12 +575,16 @@ class CheckpointFiles:
         reading, as a raw descriptor: a short read still says if it shrank since, its checksums if it changed."""
         if name not in self._headers:
             raise ValueError(f"Internal error: {name} is reopened before its header was read.")
+        return self._os_open(name, self._local_path(name))
+
+    def _os_open(self, name: str, path: str) -> int:
+        """``name`` opened read-only, relative to the held directory if any; a link only once known to stay inside
+        (else ``ELOOP``); a missing file named as such."""
         flags = _READ_FLAGS if name in self._links else _READ_FLAGS | _NO_FOLLOW
         try:
-            return os.open(name, flags, dir_fd=self._dir_fd) if self._dir_fd is not None else os.open(
-                self._local_path(name), flags)
+            return os.open(name, flags, dir_fd=self._dir_fd) if self._dir_fd is not None else os.open(path, flags)
         except FileNotFoundError:
-            raise CheckpointError(f"Checkpoint file {self._local_path(name)} is missing.") from None
+            raise CheckpointError(f"Checkpoint file {path} is missing.") from None
 
     @contextmanager
     def held_open(self) -> Iterator[None]:

@@ -79,41 +79,36 @@ def load_model(
     engine: ShardedModule, module: nn.Module, directory: Location, index: dict[str, Any], strict: bool = True
 ) -> LoadResult:
     """Copy this rank's rows of every parameter (and every buffer) from the checkpoint into ``module``. Collective."""
-    return load_model_and_optimizers(engine, module, [], directory, index, strict, with_optimizers=False)
+    return load_model_and_optimizers(engine, module, None, directory, index, strict)
 
 
 def load_model_and_optimizers(
     engine: ShardedModule,
     module: nn.Module,
-    optimizers: Sequence[Optimizer],
+    optimizers: Sequence[Optimizer] | None,
     directory: Location,
     index: dict[str, Any],
     strict: bool = True,
-    with_optimizers: bool = True,
 ) -> LoadResult:
-    """``load_model``, then ``load_optimizers`` (with ``with_optimizers``), in one read: each shard file is opened
-    once for both (see [Note: reading only what a rank needs]). Collective."""
+    """``load_model``, then ``load_optimizers`` (unless ``optimizers`` is ``None``), in one read: each shard file is
+    opened once for both (see [Note: reading only what a rank needs]). Collective."""
     ties = model_ties(index)
     available = covered_keys(engine, {key for key, _ in iter_index_tensors(index, MODEL_PREFIX)} | set(ties))
     # A checkpoint that left weights out: they are checked before the next forward instead of counting as missing
     # (see [Note: weights a checkpoint leaves out]).
     accounted = expect_left_out(engine, module, index.get(LEFT_OUT, {}), directory, strict)
     result = check_model_keys(module, available | accounted, strict, "The checkpoint")
-    saved = index.get("optimizers", []) if with_optimizers else []
-    if with_optimizers and len(saved) != len(optimizers):
-        raise CheckpointError(f"The checkpoint holds {len(saved)} optimizer states; the model has {len(optimizers)}.")
 
     def read() -> list[dict[str, Any]]:
         reads = RowReads()
         _add_model_rows(reads, engine, module, directory, index, ties)
-        states = [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads)
-                  for i, (opt, meta) in enumerate(zip(optimizers, saved))]
+        states = [] if optimizers is None else _optimizer_states(engine, optimizers, directory, index, strict, reads)
         reads.run()
         return states
 
     states = agree(read)
     engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
-    for optimizer, state in zip(optimizers, states):
+    for optimizer, state in zip(optimizers or [], states):
         optimizer.load_state_dict(state)
     return result
 
@@ -185,19 +180,31 @@ def load_optimizers(
 
     With ``strict=False``, parameters the checkpoint does not know start with fresh optimizer state.
     """
-    saved = index.get("optimizers", [])
-    if len(saved) != len(optimizers):
-        raise CheckpointError(f"The checkpoint holds {len(saved)} optimizer states; the model has {len(optimizers)}.")
-
     def read() -> list[dict[str, Any]]:
         reads = RowReads()
-        states = [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads)
-                  for i, (opt, meta) in enumerate(zip(optimizers, saved))]
+        states = _optimizer_states(engine, optimizers, directory, index, strict, reads)
         reads.run()
         return states
 
     for optimizer, state in zip(optimizers, agree(read)):
         optimizer.load_state_dict(state)
+
+
+def _optimizer_states(
+    engine: ShardedModule,
+    optimizers: Sequence[Optimizer],
+    directory: Location,
+    index: dict[str, Any],
+    strict: bool,
+    reads: RowReads,
+) -> list[dict[str, Any]]:
+    """Each optimizer's state dict (``optimizers`` must be all the checkpoint holds), their tensors added to
+    ``reads``."""
+    saved = index.get("optimizers", [])
+    if len(saved) != len(optimizers):
+        raise CheckpointError(f"The checkpoint holds {len(saved)} optimizer states; the model has {len(optimizers)}.")
+    return [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads)
+            for i, (opt, meta) in enumerate(zip(optimizers, saved))]
 
 
 def _optimizer_state(

@@ -41,6 +41,7 @@ from lightning_shard.checkpoint import scattered_reads
 from lightning_shard.checkpoint.crc32_combine import combined
 from lightning_shard.checkpoint.format import (
     RUNNING_CRC32_METADATA,
+    SMALL_PIECE_BYTES,
     CheckpointError,
     CheckpointFiles,
     Checksums,
@@ -443,6 +444,16 @@ def _read_group(
             _copy_runs(segment, w0, block, lo, arrays)
 
 
+def _same_runs(runs: list[_Run]) -> Iterator[tuple[int, int, list[_Run]]]:
+    """``runs``' shards in parts from each of whose files the same runs read: (first shard, last shard + 1, those
+    runs, in the order of ``runs``)."""
+    cuts = sorted({run.first for run in runs} | {run.last + 1 for run in runs})
+    for first, stop in zip(cuts, cuts[1:]):
+        same = [run for run in runs if run.first <= first and stop - 1 <= run.last]
+        if same:
+            yield first, stop, same
+
+
 def _overlapping(runs: list[_Run]) -> bool:
     """Whether two of ``runs`` read the same bytes of one file (two targets asked for the same rows)."""
     reading: list[_Run] = []  # runs begun before, not yet ended
@@ -462,10 +473,7 @@ def _read_group_scattered(
     checking pieces where they land]). Each file is opened once (``kept`` holds files open across reads, else each
     is closed when read: its header, read in this load, checked it)."""
     gap = np.empty(_GAP_BYTES, dtype=np.uint8)  # the bytes between two pieces of one read, not kept
-    ordered = sorted(runs, key=lambda run: run.begin)
-    cuts = sorted({run.first for run in runs} | {run.last + 1 for run in runs})
-    for first, stop in zip(cuts, cuts[1:]):  # shards first..stop-1 are read from by the same runs
-        active = [run for run in ordered if run.first <= first and stop - 1 <= run.last]
+    for first, stop, active in _same_runs(sorted(runs, key=lambda run: run.begin)):
         staged, stride = _staged(active, stop - first)
         staging = np.empty((stop - first, stride), dtype=np.uint8)
         reads: list[tuple[ScatteredRead, int]] = []  # and where in the data section each starts
@@ -507,14 +515,13 @@ def _read_group_scattered(
         _check_landed(group, runs, views, checksums)
 
 
-_STAGED_PIECE_BYTES = 64  # pieces this small are read into a buffer, next to each other (see [Note: small pieces
-_STAGING_BYTES = 8 * 2**20  # together] in save.py); at most this much buffer at a time
+_STAGING_BYTES = 8 * 2**20  # small pieces read into a buffer (see [Note: small pieces together]): at most this much
 
 
 def _staged(runs: list[_Run], files: int) -> tuple[dict[_Run, int], int]:
     """Which of ``runs`` (sorted by place) go through a buffer, one row a file: small pieces, where at least two lie
     next to each other (one place in the read for all of them); each one's column, and the row's length."""
-    small = [run for run in runs if run.nbytes <= _STAGED_PIECE_BYTES]
+    small = [run for run in runs if run.nbytes <= SMALL_PIECE_BYTES]
     adjacent = {b for a, b in zip(small, small[1:]) if a.begin + a.nbytes == b.begin}
     adjacent |= {a for a, b in zip(small, small[1:]) if a.begin + a.nbytes == b.begin}
     columns: dict[_Run, int] = {}
@@ -595,13 +602,9 @@ def _checked_parts(group: _Group, segment: list[_Run]) -> list[_Part] | None:
     """``segment``'s shards in parts that read the same runs, each run's pieces in spans that start where a tensor
     ends and end where one ends (runs at most ``_CRC_GAP_BYTES`` apart share one); ``None`` unless the files'
     running CRC-32s check every span."""
-    cuts = sorted({run.first for run in segment} | {run.last + 1 for run in segment})
     ending_at = group.table.position_ending_at
     parts = []
-    for first, stop in zip(cuts, cuts[1:]):
-        runs = [run for run in segment if run.first <= first and stop - 1 <= run.last]  # sorted by place
-        if not runs:
-            continue
+    for first, stop, runs in _same_runs(segment):
         spans: list[tuple[int, int, int, int]] = []
         for run in runs:
             a, b = run.begin, run.begin + run.nbytes

@@ -47,6 +47,7 @@ from lightning_shard.checkpoint.format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     SAVE_ID,
+    SMALL_PIECE_BYTES,
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
@@ -560,7 +561,6 @@ def write_shard_file(
 # holds its pieces of at most ``SMALL_PIECE_BYTES`` first in their part of the file (the model's tensors, each
 # optimizer's, the averaged weights'), in their order, then the others in theirs: a reader takes the small ones in
 # one place a file, a buffer, and copies each tensor's out at once. The index does not depend on the order.
-SMALL_PIECE_BYTES = 64
 
 
 def small_pieces_first(local: list[tuple[str, Tensor, tuple[int, int] | None]]) -> list[

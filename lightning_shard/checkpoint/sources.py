@@ -136,8 +136,7 @@ class ShardDirectory(CheckpointSource):
         self, engine: ShardedModule, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool
     ) -> LoadResult:
         """Both in one read: each shard file opened once for the model's rows and the optimizers'."""
-        return load_model_and_optimizers(engine, module, optimizers, self.path, self.index, strict,
-                                         with_optimizers=bool(optimizers))
+        return load_model_and_optimizers(engine, module, optimizers or None, self.path, self.index, strict)
 
 
 class ForeignSource(CheckpointSource):
