@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+import unittest.mock
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_shard.engine.progress import Activity, PeerRecord
 from lightning_shard.engine.stall import StalledRanksError, _diagnosis, is_timeout
@@ -165,3 +167,29 @@ def test_stopping_publication_waits_for_the_thread_to_leave_the_store() -> None:
     progress.stop_publishing()
     running = [t for t in threading.enumerate() if t.name == "lightning_shard-progress"]
     assert store.calls >= 2 and not running, (store.calls, running)
+
+
+class _RecordingWork:
+    def __init__(self) -> None:
+        self.waited_with: list[tuple] = []
+
+    def wait(self, *timeout: timedelta) -> bool:
+        self.waited_with.append(timeout)
+        return True
+
+
+def test_every_wait_of_the_engines_collectives_passes_the_strategys_timeout() -> None:
+    """NCCL's works keep the timeout their group was created with (at least the rendezvous's 10 minutes): a
+    strategy's shorter timeout bounds a wait only when passed to it (docs/testing.md, "On a GPU")."""
+    import torch.distributed as dist
+
+    from lightning_shard.engine import collectives
+
+    timeout = timedelta(seconds=7)
+    works = [_RecordingWork() for _ in range(3)]
+    with unittest.mock.patch.object(collectives, "wait_timeout", return_value=timeout), \
+            unittest.mock.patch.object(dist, "all_reduce", side_effect=works[1:]):
+        collectives.Pending(works[0], lambda: None).wait()
+        collectives.all_reduce_sum(torch.ones(1), None)  # type: ignore[arg-type]
+        collectives.all_reduce_max(torch.ones(1), None)
+    assert [w.waited_with for w in works] == [[(timeout,)]] * 3

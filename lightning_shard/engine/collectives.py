@@ -38,6 +38,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -86,7 +87,7 @@ class Pending:
         if self._work is not None:
             start = time.perf_counter()
             with record_function("lightning_shard::wait"), watching(self._activity):
-                self._work.wait()
+                wait_for(self._work)
             STATS.seconds += time.perf_counter() - start
             self._work = None
         assert self._finish is not None
@@ -171,13 +172,19 @@ class _AllWorks:
     def __init__(self, works: list[Any]) -> None:
         self.works = works
 
-    def wait(self) -> None:
-        timeout = wait_timeout()  # see [Note: how a wait ends]
+    def wait(self, timeout: timedelta | None = None) -> None:
         for work in self.works:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
+            work.wait() if timeout is None else work.wait(timeout)
+
+
+def wait_for(work: Any) -> None:
+    """Wait for a collective's ``work``, at most the strategy's timeout where it set one (see [Note: how a wait
+    ends]): a point-to-point work keeps its group's creation timeout otherwise, and so may an NCCL one."""
+    timeout = wait_timeout()
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 def all_gather_pieces(
@@ -253,7 +260,7 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:
     """Sum ``tensor`` in place over the group."""
     start = time.perf_counter()
     with record_function("lightning_shard::all_reduce"), watching(RECORD.enter("all-reduce")):
-        dist.all_reduce(tensor, group=group)
+        wait_for(dist.all_reduce(tensor, group=group, async_op=True))
     STATS.seconds += time.perf_counter() - start
     STATS.reduce_bytes += tensor.numel() * tensor.element_size()
 
@@ -261,10 +268,10 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> None:
 def all_reduce_max(tensor: Tensor, group: ProcessGroup | None) -> None:
     """Take the elementwise maximum of ``tensor`` in place over the group (``None``: all ranks)."""
     with record_function("lightning_shard::all_reduce"), watching(RECORD.enter("all-reduce (max)")):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        wait_for(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True))
 
 
 def broadcast_from_rank0(tensor: Tensor) -> None:
     """Overwrite ``tensor`` on every rank with global rank 0's values."""
     with watching(RECORD.enter("broadcast from rank 0")):
-        dist.broadcast(tensor, src=0)
+        wait_for(dist.broadcast(tensor, src=0, async_op=True))

@@ -2,17 +2,19 @@
 waited for and the ranks that had not arrived.
 
 [Note: how a wait ends]
-``bound_waits(timeout, group)`` makes the strategy's ``timeout`` bound every wait on the group: gloo's collectives
-(an all-reduce run by its worker thread, a barrier, the object collectives) take it from the group's options, which
-``_set_pg_timeout`` changes after set-up; a point-to-point receive or send takes it from its own ``wait(timeout)``
-(gloo's pairs keep the timeout the group was created with, so ``wait_timeout()`` is passed explicitly). The group
-is created with a longer timeout (``rendezvous_timeout``): its set-up waits for every rank to start, which may take
-longer than a collective should. Past the timeout, gloo raises
-a ``RuntimeError`` ("Timed out waiting 30000ms for recv operation to complete") on the rank that waited; ranks that
-are still alive all end up waiting on some collective, so each of them raises, at most one timeout later. The
-engine enters every wait of its collectives through ``watching(activity)``, which turns that error into a
-``StalledRanksError``: it reads the peers' progress records (see [Note: progress records]) and says which ranks
-had not entered the collective. Other errors (a peer's connection closed because its process died) pass unchanged.
+``bound_waits(timeout, group)`` makes the strategy's ``timeout`` bound every wait on the group: collectives the
+engine does not issue itself (a barrier, the object collectives) take it from the group's options, which
+``_set_pg_timeout`` changes after set-up; every wait of the engine's own collectives passes it explicitly
+(``collectives.wait_for``), because not every backend reads the changed options: gloo's point-to-point pairs and
+NCCL's works keep the timeout the group was created with (on one H200, an NCCL wait under blocking waits outlasted
+a 3 s strategy timeout until the explicit one). The group is created with a longer timeout
+(``rendezvous_timeout``): its set-up waits for every rank to start, which may take longer than a collective should.
+Past the timeout, gloo raises a ``RuntimeError`` ("Timed out waiting 30000ms for recv operation to complete") on the
+rank that waited; ranks that are still alive all end up waiting on some collective, so each of them raises, at most
+one timeout later. The engine enters every wait of its collectives through ``watching(activity)``, which turns that
+error into a ``StalledRanksError``: it reads the peers' progress records (see [Note: progress records]) and says
+which ranks had not entered the collective. Other errors (a peer's connection closed because its process died) pass
+unchanged.
 
 On NCCL a wait does not block the CPU unless ``TORCH_NCCL_BLOCKING_WAIT=1``: by default NCCL's watchdog ends the
 process after the timeout with its own message; with blocking waits the timeout is raised here and named like gloo's.
