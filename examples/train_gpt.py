@@ -26,6 +26,7 @@ The corpus in ``examples/data/tiny_text.txt`` is a short play written for this p
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import lightning as L
@@ -279,6 +280,7 @@ def main() -> None:
             cpu_offload=args.cpu_offload,
         ),
         max_steps=args.max_steps,
+        max_epochs=math.ceil(args.max_steps / len(loader)),  # the progress bar's "Epoch i/n" (else n is -2)
         precision=args.precision,
         log_every_n_steps=10,
         enable_checkpointing=False,

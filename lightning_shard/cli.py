@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--optimizer", default="adamw")
     e.add_argument("--cpu-offload", action="store_true", help="model state in CPU memory (cpu_offload=True)")
     e.add_argument("--backend", default="nccl", help="the process group's backend: nccl (GPUs) or gloo (CPUs)")
-    x = commands.add_parser("export", help="write a checkpoint's model in Hugging Face's save_pretrained layout")
+    x = commands.add_parser(
+        "export", help="write a checkpoint in another layout: Hugging Face (hf), peft adapters (peft), DCP (dcp)"
+    )
     x.add_argument("checkpoint_dir")
     x.add_argument("output_dir")
     x.add_argument("--format", choices=["hf", "peft", "dcp"], default="hf",
@@ -164,34 +167,30 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _load_callable(spec: str, what: str) -> Any:
-    """The callable ``module:attr`` names, or ``None`` after printing why it cannot be loaded."""
+    """The callable ``module:attr`` names, or ``None`` after printing why it cannot be loaded. The current directory
+    is importable, as with ``python -m`` and torchrun; other folders go on ``PYTHONPATH``."""
     import importlib
 
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     module_name, colon, attr = spec.partition(":")
     try:
         if not colon or not attr:
             raise ValueError("no ':callable' part")
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as err:
-        print(f"lightning-shard: cannot load the {what} {spec!r} (module:callable): {err}", file=sys.stderr)
+        print(f"lightning-shard: cannot load the {what} {spec!r} (module:callable): {err}. Modules are imported from"
+              " the current directory and PYTHONPATH.", file=sys.stderr)
         return None
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    import importlib
-
     import torch
 
     from lightning_shard.engine.estimate import estimate_memory
 
-    module_name, colon, attr = args.factory.partition(":")
-    try:
-        if not colon or not attr:
-            raise ValueError("no ':callable' part")
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        print(f"lightning-shard: cannot load the model factory {args.factory!r} (module:callable): {err}",
-              file=sys.stderr)
+    factory = _load_callable(args.factory, "model factory")
+    if factory is None:
         return 2
     with torch.device("meta"):
         model = factory()
@@ -211,5 +210,16 @@ def _world_size(text: str) -> int:
     return int(text)
 
 
+def run() -> None:
+    """The console script: ``main``'s exit status; output cut short by a closed pipe (``| head``) ends quietly."""
+    try:
+        status = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        status = 0
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -3,7 +3,11 @@ bad value naming it; the ``lightning-shard`` command's errors are one line namin
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lightning.pytorch.cli import LightningCLI
@@ -11,6 +15,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_shard import ModuleClassWrapPolicy, ShardingStrategy, ShardStrategy
 from lightning_shard.cli import main
 from tests.models import LitModel
+
+FIXTURE_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_v1" / "checkpoint"
 
 BY_CLASS_PATH = """
 trainer:
@@ -124,10 +130,49 @@ def test_estimate_names_a_bad_option_in_one_line(
     ids=["no_such_callable", "no_such_module", "no_colon"],
 )
 def test_estimate_names_a_factory_it_cannot_load(capsys: pytest.CaptureFixture[str], factory: str, reason: str) -> None:
-    expected = f"lightning-shard: cannot load the model factory {factory!r} (module:callable): {reason}\n"
+    expected = (f"lightning-shard: cannot load the model factory {factory!r} (module:callable): {reason}. Modules are"
+                " imported from the current directory and PYTHONPATH.\n")
     assert _command(capsys, "estimate", factory, "--world-size", "2") == (2, expected)
 
 
 def test_estimate_refuses_a_world_size_below_one(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _command(capsys, "estimate", "tests.models:TinyGPT", "--world-size", "0")
     assert code == 2 and "argument --world-size: must be a whole number of at least 1, got '0'" in err, err
+
+
+def _console(*argv: str, cwd: Path, stdout: Any = subprocess.PIPE) -> subprocess.CompletedProcess:
+    """The installed ``lightning-shard`` console script, as a user runs it in ``cwd``, with PYTHONPATH unset."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = Path(sys.executable).parent / "lightning-shard"
+    return subprocess.run([str(script), *argv], cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          timeout=120)
+
+
+@pytest.mark.launch
+def test_a_factory_in_the_current_directory_is_found_as_python_m_finds_it(tmp_path: Path) -> None:
+    (tmp_path / "mymodels.py").write_text(
+        "from torch import nn\n\n\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(64, 64)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x)\n\n\n"
+        "def build():\n"
+        "    return nn.Sequential(*[Block() for _ in range(4)])\n"
+    )
+    done = _console("estimate", "mymodels:build", "--world-size", "8", "--wrap", "Block", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("per rank: parameters"), done.stdout
+
+
+@pytest.mark.launch
+def test_inspect_into_a_pipe_its_reader_closed_ends_quietly(tmp_path: Path) -> None:
+    """``lightning-shard inspect CKPT | head``: the reader may go before everything is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone: every write fails with EPIPE
+    try:
+        done = _console("inspect", str(FIXTURE_CHECKPOINT), cwd=tmp_path, stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert done.stderr == "" and done.returncode == 0, done.stderr

@@ -160,3 +160,17 @@ class _Tiny(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_fsdp_strategys_older_activation_checkpointing_is_taken_with_its_deprecation_warning(front: str) -> None:
+    cls = FRONT_ENDS[front]
+    with pytest.deprecated_call(match=r"activation_checkpointing=.*is deprecated, use .*activation_checkpointing_poli"):
+        older = cls(activation_checkpointing=[nn.Linear, nn.LayerNorm])
+    newer = cls(activation_checkpointing_policy={nn.Linear, nn.LayerNorm})
+    assert older.options.checkpointing_policy == newer.options.checkpointing_policy
+    with pytest.deprecated_call():
+        assert cls(activation_checkpointing=nn.Linear).options.checkpointing_policy == cls(
+            activation_checkpointing_policy={nn.Linear}).options.checkpointing_policy
+    with pytest.raises(ValueError, match="You cannot set both `activation_checkpointing` and"):
+        cls(activation_checkpointing=nn.Linear, activation_checkpointing_policy={nn.Linear})

@@ -114,3 +114,74 @@ def test_yaml_block_builds_its_trainer_through_lightning_cli(text: str, tmp_path
     if isinstance(strategy, dict):  # class_path and init_args: an instance of exactly that class
         module, _, name = strategy["class_path"].rpartition(".")
         assert type(cli.trainer.strategy) is getattr(importlib.import_module(module), name)
+
+
+# The defaults the docs state, against the code's #
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _argument_table() -> dict[str, str]:
+    """The user guide's "Constructor arguments" table: argument name -> the Default cell."""
+    text = (DOCS / "user_guide.md").read_text()
+    table = text[text.index("## Constructor arguments"):].split("\n\n")[1]
+    rows: dict[str, str] = {}
+    for line in table.splitlines()[2:]:
+        names, default = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        for name in re.findall(r"`(\w+)`", names):
+            rows[name] = default
+    return rows
+
+
+def _stated_value(cell: str) -> Any:
+    """The value a Default cell states: a Python literal in backticks, or a number of minutes."""
+    if minutes := re.fullmatch(r"(\d+) minutes", cell):
+        from datetime import timedelta
+
+        return timedelta(minutes=int(minutes.group(1)))
+    literal = re.match(r"`([^`]+)`", cell)
+    assert literal, f"a Default cell that states no value: {cell!r}"
+    return eval(literal.group(1), {})  # noqa: S307 - the docs' own literals ("FULL_SHARD", None, True)
+
+
+def test_every_default_the_user_guide_states_is_the_codes() -> None:
+    import inspect
+
+    from lightning_shard import ShardStrategy
+    from lightning_shard.common.options import DEFAULT_TIMEOUT
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    table = _argument_table()
+    not_in_the_table = {"self", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+                        "precision_plugin", "precision", "storage_options", "activation_checkpointing"}
+    fronts = [inspect.signature(cls.__init__).parameters for cls in (ShardStrategy, FabricShardStrategy)]
+    for parameters in fronts:
+        left_out = set(parameters) - not_in_the_table - table.keys()
+        assert not left_out, f"arguments the table leaves out: {sorted(left_out)}"
+    for name, cell in table.items():
+        stated = _stated_value(cell)
+        defaults = [parameters[name].default for parameters in fronts if name in parameters]
+        assert defaults, f"the table documents {name}, which neither front end takes"
+        for actual in defaults:
+            if name == "timeout":
+                assert actual is None and stated == DEFAULT_TIMEOUT, (cell, DEFAULT_TIMEOUT)
+            else:
+                assert stated == actual, f"{name}: the docs say {cell}, the code has {actual!r}"
+
+
+def test_every_page_that_states_the_collective_timeouts_default_states_the_codes() -> None:
+    from lightning_shard.common.options import DEFAULT_TIMEOUT
+
+    pages = [*DOCS.glob("*.md"), DOCS.parent / "README.md"]
+    claims = []
+    for page in pages:
+        for line in page.read_text().splitlines():
+            if "timeout" not in line.lower():
+                continue
+            # "default ... N minutes" about this package's timeout (PyTorch's own defaults are named as PyTorch's)
+            for match in re.finditer(r"default[^.|]*?(\d+) minutes", line):
+                if "PyTorch" not in line[max(0, match.start() - 20):match.start()]:
+                    claims.append((page.name, int(match.group(1)), line.strip()[:100]))
+    assert claims, "no page states the timeout's default"
+    wrong = [c for c in claims if c[1] != DEFAULT_TIMEOUT.total_seconds() / 60]
+    assert not wrong, wrong

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -338,3 +339,76 @@ def test_without_the_agreement_a_rank_that_stops_early_leaves_the_others_waiting
     outcomes = failure.value.outcomes
     assert outcomes[0].status is RankStatus.RETURNED and outcomes[0].result == 5
     assert outcomes[1].status is RankStatus.RAISED and "StalledRanksError" in outcomes[1].error, outcomes[1].error
+
+
+# Hugging Face's own generate() in a validation_step: transformers keeps the ranks in step by itself #
+
+
+class ValidatesByGenerating(L.LightningModule):
+    """A tiny GPT-2 whose validation step runs Hugging Face's ``generate`` (greedy, with an end-of-sequence token)
+    on this rank's prompt and keeps the tokens."""
+
+    def __init__(self, prompts: list[Tensor], eos: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = transformers.GPT2LMHeadModel(HF_CONFIG)
+        self.prompts, self.eos = prompts, eos
+        self.tokens: list[list[int]] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids = self.prompts[self.global_rank]
+        out = self.model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=self.eos,
+                                  pad_token_id=self.eos, attention_mask=torch.ones_like(ids))
+        self.tokens.append(out[0].tolist())
+
+
+HF_CONFIG = transformers.GPT2Config(
+    vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+)
+
+
+def _prompts_where_rank_0_ends_first() -> tuple[list[Tensor], int]:
+    """Two prompts and an end token that the greedy continuation of the first gives as its first new token and the
+    second's does not give in 12 (found on the unsharded model, the same on every rank)."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(HF_CONFIG).eval()
+    generator = torch.Generator().manual_seed(7)
+    candidates = [torch.randint(0, 64, (1, 4), generator=generator) for _ in range(20)]
+    with torch.no_grad():
+        runs = [model.generate(c, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 4:].tolist()
+                for c in candidates]
+    for first, run in zip(candidates, runs):
+        eos = run[0]
+        for second, other in zip(candidates, runs):
+            if eos not in other:
+                return [first, second], eos
+    raise AssertionError("no pair of prompts for the test")
+
+
+def generate_in_validation(rank: int, world_size: int, sharded: bool) -> dict[str, Any]:
+    import time
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_shard import ShardStrategy
+
+    prompts, eos = _prompts_where_rank_0_ends_first()
+    module = ValidatesByGenerating(prompts, eos)
+    strategy = (ShardStrategy(auto_wrap_policy={"GPT2Block"}, timeout=timedelta(seconds=30)) if sharded
+                else DDPStrategy())
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    start = time.perf_counter()
+    trainer.validate(module, torch.utils.data.DataLoader(torch.zeros(world_size, 1)))
+    return {"tokens": module.tokens, "eos": eos, "seconds": time.perf_counter() - start}
+
+
+def test_hugging_face_generate_in_validation_step_keeps_the_ranks_in_step_when_one_ends_first() -> None:
+    """transformers runs ``generate`` in step across ranks (``synced_gpus``) for the sharded modules it recognises;
+    the engine marks its modules as such, so a rank that reaches its end token keeps joining the forwards."""
+    ours = run_on_ranks(generate_in_validation, 2, True, timeout=180)
+    ddp = run_on_ranks(generate_in_validation, 2, False, timeout=180)
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in ddp]
+    eos = ours[0]["eos"]
+    assert ours[0]["tokens"][0][-1] == eos and len(ours[0]["tokens"][0]) == 4 + 1  # rank 0 ended at its 1st token
+    assert len(ours[1]["tokens"][0]) == 4 + 12 and eos not in ours[1]["tokens"][0][4:]

@@ -87,8 +87,9 @@ class CheckpointSummary:
     adapters: list[str] = field(default_factory=list)  # the peft adapters it records
 
     def __str__(self) -> str:
+        ranks = f"{self.world_size} rank" + ("s" if self.world_size != 1 else "")
         lines = [
-            f"checkpoint {self.directory} ({self.state_dict_type}), written by {self.world_size} ranks,"
+            f"checkpoint {self.directory} ({self.state_dict_type}), written by {ranks},"
             f" mesh {self.mesh['replicas']}x{self.mesh['shard_size']}; epoch {self.epoch}, step {self.global_step}",
             f"{len(self.tensors)} tensors, {self.total_bytes / 2**20:.2f} MiB on disk",
         ]

@@ -33,6 +33,7 @@ from lightning_shard.checkpoint.adapters import (
     merge_adapters,
 )
 from lightning_shard.checkpoint.averaged import Weights, weights_prefix
+from lightning_shard.checkpoint.file_modes import give_default_modes
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, read_json_object, submodule_prefix
 from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, read_index
 from lightning_shard.checkpoint.layout import StoredTensor, check_piece, require_complete
@@ -344,7 +345,9 @@ def temporary_directory_beside(out: Path) -> Path:
 
 
 def move_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` (allowed by the caller) is moved aside first, then removed."""
+    """Rename ``tmp`` to ``out``, its files and folders given the umask's modes first; an existing ``out`` (allowed by
+    the caller) is moved aside first, then removed."""
+    give_default_modes(tmp)
     if not out.exists():
         tmp.replace(out)
         return

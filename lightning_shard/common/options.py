@@ -13,6 +13,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
+from torch import nn
 
 from lightning_shard.checkpoint.save import StateDictType
 from lightning_shard.checkpoint.selection import SavedParameters
@@ -71,6 +73,7 @@ class ShardOptions:
         device_mesh: tuple[int, int] | None = None,
         mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
         activation_checkpointing_policy: WrapPolicySpec = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] | StateDictType = "sharded",
         save_trainable_only: bool = False,
@@ -91,6 +94,9 @@ class ShardOptions:
         translated where they mean exactly what ours do, and refused otherwise (``common.fsdp_compat``)."""
         check_fsdp_flags(
             use_orig_params=use_orig_params, limit_all_gathers=limit_all_gathers, sync_module_states=sync_module_states
+        )
+        activation_checkpointing_policy = _checkpointing_policy(
+            activation_checkpointing, activation_checkpointing_policy
         )
         cpu_offload = cpu_offload_flag(cpu_offload)
         mixed_precision = mixed_precision_from_torch(mixed_precision, has_wrap_policy=auto_wrap_policy is not None)
@@ -241,3 +247,24 @@ class ShardOptionsMixin:
     @property
     def cpu_allocator(self) -> CpuAllocator:
         return self.options.cpu_allocator
+
+
+def _checkpointing_policy(
+    activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None, policy: WrapPolicySpec
+) -> WrapPolicySpec:
+    """``activation_checkpointing_policy``, or the classes of FSDPStrategy's older ``activation_checkpointing`` (with
+    FSDPStrategy's deprecation warning); both at once are refused as FSDPStrategy refuses them."""
+    if activation_checkpointing is None:
+        return policy
+    if policy is not None:
+        raise ValueError(
+            "You cannot set both `activation_checkpointing` and `activation_checkpointing_policy`. Use the latter."
+        )
+    classes = set(activation_checkpointing) if isinstance(activation_checkpointing, list | tuple | set) else {
+        activation_checkpointing
+    }
+    rank_zero_deprecation(
+        f"`ShardStrategy(activation_checkpointing={activation_checkpointing})` is deprecated, use "
+        f"`ShardStrategy(activation_checkpointing_policy={classes})` instead."
+    )
+    return classes

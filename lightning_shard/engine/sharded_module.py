@@ -37,6 +37,15 @@ is gathered and the hooks do nothing. In compiled code they do nothing either
 (``torch.compiler.is_compiling()``), so a compiled block has no graph breaks at its submodules: a
 compiled block's submodules are only ever called inside its forward.
 
+[Note: Hugging Face's generate() in step]
+A forward of a sharded module is a collective: every rank must run as many as the others. transformers' ``generate``
+keeps the ranks in step by itself (``synced_gpus``: a rank that reached its end token goes on running forwards
+until every rank has) for the modules it knows to be sharded, FSDP's and DeepSpeed ZeRO-3's, which it tells by the
+attribute ``_is_fsdp_managed_module`` (FSDP2 sets it, as does transformers' own ``apply_fsdp2``). The engine sets it
+on every module it shards, so a user's own ``self.model.generate(...)`` in a ``validation_step`` works unchanged
+when ranks stop at different lengths, as under DDP. A call on one rank alone (inside
+``summon_full_params(rank0_only=True)``) must pass ``synced_gpus=False``, as it must under FSDP.
+
 [Note: prefetching and overlapped reductions]
 The engine records the order in which units run their forward (re-recorded every step, so a
 change of order is picked up at the next one). When a unit starts its forward it issues the next
@@ -125,6 +134,8 @@ class ShardedModule:
             unit.on_reduce_started = functools.partial(self._overlap_reduction, unit)
             unit.on_gradient_computed = self._finish_other_reduction
         setattr(root, _ENGINE_ATTR, self)
+        for module in root.modules():  # see [Note: Hugging Face's generate() in step]
+            module._is_fsdp_managed_module = True  # type: ignore[assignment]
 
     @property
     def root_unit(self) -> ShardUnit:

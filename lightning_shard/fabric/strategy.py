@@ -65,7 +65,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     """Fully sharded data parallel training (ZeRO-3) for Lightning Fabric: gloo on CPU, NCCL on GPU.
 
     Takes the same sharding arguments as the Trainer's ``lightning_shard.ShardStrategy`` (``auto_wrap_policy``,
-    ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy``,
+    ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy`` (and its deprecated
+    form ``activation_checkpointing``),
     ``grad_sync``, ``state_dict_type``, ``cpu_offload``, ``broadcast_buffers``, ``process_group_backend``,
     ``timeout``, ``param_init``, ``cpu_allocator``, ``storage_options``, and ``FSDPStrategy``'s ``use_orig_params``,
     ``limit_all_gathers``, ``sync_module_states``), with the same defaults and the same forms (PyTorch FSDP's
@@ -101,6 +102,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         device_mesh: tuple[int, int] | None = None,
         mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
         activation_checkpointing_policy: WrapPolicySpec = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] = "sharded",
         save_trainable_only: bool = False,
@@ -127,6 +129,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             device_mesh=device_mesh,
             mixed_precision=mixed_precision,
             activation_checkpointing_policy=activation_checkpointing_policy,
+            activation_checkpointing=activation_checkpointing,
             grad_sync=grad_sync,
             state_dict_type=state_dict_type,
             save_trainable_only=save_trainable_only,

@@ -94,6 +94,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             gather and compute in bf16, reduce in fp32).
         activation_checkpointing_policy: module classes or class names (as ``auto_wrap_policy``) whose activations
             are recomputed in backward instead of stored.
+        activation_checkpointing: deprecated, as in ``FSDPStrategy``: a module class or a list of them, taken as
+            ``activation_checkpointing_policy`` with a deprecation warning.
         grad_sync: with ``accumulate_grad_batches`` > 1, ``"microbatch"`` (default) reduce-scatters after every
             micro-batch, keeping gradients sharded; ``"step"`` accumulates full gradients locally and reduces once
             per optimizer step (less communication, more memory).
@@ -153,6 +155,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         device_mesh: tuple[int, int] | None = None,
         mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
         activation_checkpointing_policy: WrapPolicySpec = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
         grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
         state_dict_type: Literal["sharded", "full"] = "sharded",
         save_trainable_only: bool = False,
@@ -180,6 +183,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             device_mesh=device_mesh,
             mixed_precision=mixed_precision,
             activation_checkpointing_policy=activation_checkpointing_policy,
+            activation_checkpointing=activation_checkpointing,
             grad_sync=grad_sync,
             state_dict_type=state_dict_type,
             save_trainable_only=save_trainable_only,
