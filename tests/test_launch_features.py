@@ -4,7 +4,7 @@ Lightning's own launcher, where ``ShardStrategy`` creates the process group, aga
 A 2-rank job trains with ``EMAWeightAveraging`` and a ``GlobalBatchLoader``, checkpointing to ``s3://`` (the S3 test
 server on 127.0.0.1) with ``save_trainable_only=True`` (frozen embeddings left out), and samples with ``generate``
 (sharded weights, a different length per rank) and inside ``summon_full_params``; a 3-rank job resumes from the
-bucket's ``last.ckpt`` to the uninterrupted DDP run.
+bucket's ``last.ckpt`` (``ckpt_path="last"``) to the uninterrupted DDP run, writing no ``last-v1.ckpt`` beside it.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def test_averaging_sampling_and_an_s3_checkpoint_in_fresh_jobs_match_ddp(tmp_pat
         objects = bucket.ls("features/run/last.ckpt")
         index = json.loads(bucket.cat("features/run/last.ckpt/index.json"))
         _launch(tmp_path, server.env, 3, 8, "--resume")
+        after_resume = bucket.ls("features/run", refresh=True)
 
     assert any(name.endswith("/index.json") for name in objects)
+    assert sorted(name.rsplit("/", 1)[1] for name in after_resume) == ["last.ckpt"]  # resumed into, not beside
     frozen = ["model/model.blocks.0.qkv.weight", "model/model.wpe.weight", "model/model.wte.weight"]
     assert sorted(index["left_out"]) == frozen  # the test GPT's own frozen weights, and the embeddings
     assert not (tmp_path / "s3:").exists()  # the URL was never taken for a local path

@@ -55,6 +55,7 @@ from lightning_shard.engine.policies import (
 from lightning_shard.engine.progress import note_step
 from lightning_shard.engine.sharded_module import ShardedModule
 from lightning_shard.engine.wrapping import wrap_marks_units
+from lightning_shard.trainer import last_checkpoint  # noqa: F401 - see [Note: "last" on object storage]
 from lightning_shard.trainer.checkpoints import (
     load_model_state,
     load_optimizer_states,

@@ -6,11 +6,12 @@ launcher, where ``ShardStrategy`` creates the process group, then the same fit u
 
 Ours trains the test GPT, its embeddings frozen, with ``EMAWeightAveraging``, a ``GlobalBatchLoader`` (global batch
 12) and a ``ModelCheckpoint`` on the object-store URL (``--url``; credentials and endpoint from the environment) under
-``save_trainable_only=True`` (the frozen embeddings are left out: the seeded build restores them), resuming from
-``<url>/last.ckpt`` with ``--resume``. At the end it samples with ``lightning_shard.generate``: each rank a
-different number of tokens with the weights kept sharded, then inside ``summon_full_params``. The DDP reference
-trains ``--steps`` steps from scratch with the same callback and loader and samples from its model. Each rank saves
-``<root>/<shard|ddp>-<devices>-<rank>.pt``: its losses, the final weights, the sampled tokens.
+``save_trainable_only=True`` (the frozen embeddings are left out: the seeded build restores them), resuming with
+``ckpt_path="last"`` (as the preemption message says) with ``--resume``. At the end it samples with
+``lightning_shard.generate``: each rank a different number of tokens with the weights kept sharded, then inside
+``summon_full_params``. The DDP reference trains ``--steps`` steps from scratch with the same callback and loader and
+samples from its model. Each rank saves ``<root>/<shard|ddp>-<devices>-<rank>.pt``: its losses, the final weights, the
+sampled tokens.
 """
 
 import argparse
@@ -70,7 +71,7 @@ def fit(args: argparse.Namespace, ours: bool) -> dict[str, Any]:
     loader = GlobalBatchLoader(
         make_dataset("gpt"), 12, num_replicas=trainer.world_size, rank=trainer.global_rank
     )  # before fit, under Lightning's launcher
-    trainer.fit(module, train_dataloaders=loader, ckpt_path=f"{args.url}/last.ckpt" if ours and args.resume else None)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path="last" if ours and args.resume else None)
     if ours:
         weights = full_params(strategy.engine)
     else:
