@@ -245,3 +245,60 @@ def test_buffer_output_and_input_dtypes() -> None:
     for r in run_on_ranks(mixed_options, 2):
         assert r == {"out": torch.float32, "buffer": torch.bfloat16, "compute": torch.bfloat16,
                      "master": torch.float32, "grad": torch.float32}
+
+
+# Lightning's demo Transformer, as Lightning's FSDP guide trains it #
+
+
+class DemoTransformer(L.LightningModule):
+    """``lightning.pytorch.demos.Transformer`` (``nn.Transformer`` inside, its positional encoding added in fp32)
+    built in ``configure_model``, as Lightning's FSDP guide has it, on random tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: nn.Module | None = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        from lightning.pytorch.demos import Transformer
+
+        if self.model is None:
+            self.model = Transformer(vocab_size=64, ninp=32, nhead=2, nhid=64, nlayers=2, dropout=0.0)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, target = batch
+        assert self.model is not None
+        output = self.model(inputs, target)
+        loss = torch.nn.functional.nll_loss(output, target.view(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_demo_transformer(rank: int, world_size: int, precision: str, sharded: bool) -> list[float]:
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    L.seed_everything(0)
+    tokens = torch.randint(0, 64, (48, 9), generator=torch.Generator().manual_seed(3))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
+    strategy = ShardStrategy(auto_wrap_policy=layers) if sharded else DDPStrategy()
+    module = DemoTransformer()
+    trainer_for(strategy, world_size, steps=6, precision=precision).fit(module, data)
+    return module.losses
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightnings_demo_transformer_trains_as_under_ddp(precision: str) -> None:
+    """bf16-mixed used to fail in the layer norms on CPU (an fp32 residual with bf16 weights): see [Note:
+    normalization inputs on CPU]."""
+    ours = run_on_ranks(fit_demo_transformer, 2, precision, True)
+    ddp = run_on_ranks(fit_demo_transformer, 2, precision, False)
+    for rank, (a, b) in enumerate(zip(ours, ddp)):
+        if precision == "32-true":
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), msg=f"rank {rank}")
+        else:
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1.6e-2, atol=0, msg=f"rank {rank}")

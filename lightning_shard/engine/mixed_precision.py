@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 _DTYPES = {
     "float32": torch.float32,
@@ -75,6 +76,38 @@ class MixedPrecision:
         if self.param_dtype is None or any(self.keeps_fp32(m) for m in owners):
             return None
         return parse_dtype(self.param_dtype)
+
+
+# [Note: normalization inputs on CPU]
+# A unit computes with its weights cast to ``param_dtype``, under autocast. CUDA's autocast runs layer and group
+# norms in fp32 whatever their inputs and weights; CPU's leaves them alone, and their CPU kernels refuse an fp32 input
+# with bf16 weights ("mixed dtype (CPU): expect parameter to have scalar type of Float"). Such an input is common: a
+# residual sum with an fp32 tensor (``nn.Transformer`` behind a positional encoding kept in fp32, as in Lightning's
+# demo Transformer) promotes to fp32. So on CPU a normalization layer whose weights are cast gets its floating inputs
+# cast to the same dtype, as FSDP's ``cast_forward_inputs`` casts a unit's inputs; inputs already in that dtype (the
+# usual case) pass unchanged.
+NORMALIZATION_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase
+)
+
+
+def cast_normalization_inputs(cast: Iterable[tuple[nn.Module, torch.dtype]]) -> None:
+    """For each ``(module, dtype)`` of a normalization layer whose weights are cast to ``dtype``: cast its floating
+    inputs to ``dtype`` too (see [Note: normalization inputs on CPU])."""
+    done: set[int] = set()
+    for module, dtype in cast:
+        if isinstance(module, NORMALIZATION_LAYERS) and id(module) not in done:
+            done.add(id(module))
+            module.register_forward_pre_hook(_inputs_in(dtype))
+
+
+def _inputs_in(dtype: torch.dtype):  # noqa: ANN202
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(
+            a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != dtype else a for a in args
+        )
+
+    return hook
 
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")

@@ -88,7 +88,7 @@ from lightning_shard.engine.compile import adopt_compiled_wrappers, outside_comp
 from lightning_shard.engine.cpu_allocator import CpuAllocator, apply_cpu_allocator
 from lightning_shard.engine.diagnostics import warn_rank0
 from lightning_shard.engine.mesh import ShardMesh
-from lightning_shard.engine.mixed_precision import MixedPrecision, parse_dtype
+from lightning_shard.engine.mixed_precision import MixedPrecision, cast_normalization_inputs, parse_dtype
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units, without_reset_parameters
 from lightning_shard.engine.policies import ParamInit, ShardingStrategy, WrapPolicy
@@ -410,6 +410,9 @@ def shard_module(
             unit.init_from_full(full)
         units.append(unit)
     full.clear()
+    if device.type == "cpu":  # see [Note: normalization inputs on CPU] in mixed_precision.py
+        cast_normalization_inputs((m, sp.compute_dtype) for sps in assignment.values() for sp in sps
+                                  if sp.compute_dtype is not None for m, _ in sp.owners)
     materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
     engine = ShardedModule(root, units, mesh, strategy)
     engine.uninitialized = uninitialized
