@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_shard.checkpoint.consolidate import CheckpointSummary, consolidate, inspect
 from lightning_shard.checkpoint.export import ExportResult, export_hf, export_peft
 from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.lightning_export import LightningExport, export_lightning
 from lightning_shard.checkpoint.load import LoadResult, load_safetensors_into
 from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
 from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
@@ -49,6 +50,7 @@ __all__ = [
     "LoadResult",
     "MemoryEstimate",
     "GradSync",
+    "LightningExport",
     "MemoryReport",
     "MixedPrecision",
     "ModuleClassWrapPolicy",
@@ -65,6 +67,7 @@ __all__ = [
     "consolidate",
     "estimate_memory",
     "export_hf",
+    "export_lightning",
     "export_peft",
     "generate",
     "inspect",

@@ -4,6 +4,7 @@
     lightning-shard inspect CKPT_DIR                       # world size, step, tensors, checksum verification
     lightning-shard export CKPT_DIR OUT_DIR --format hf --prefix model. --config config.json  # from_pretrained
     lightning-shard export CKPT_DIR OUT_DIR --format dcp         # what ModelParallelStrategy resumes from
+    lightning-shard export CKPT_DIR OUT.ckpt --format lightning  # for LightningModule.load_from_checkpoint
     lightning-shard convert last.ckpt CKPT_DIR --module my_pkg.models:LitGPT   # a DDP/FSDP .ckpt or a DCP directory
     lightning-shard estimate my_pkg.models:build_gpt --world-size 8 --wrap Block --precision bf16-mixed
 """
@@ -39,15 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--cpu-offload", action="store_true", help="model state in CPU memory (cpu_offload=True)")
     e.add_argument("--backend", default="nccl", help="the process group's backend: nccl (GPUs) or gloo (CPUs)")
     x = commands.add_parser(
-        "export", help="write a checkpoint in another layout: Hugging Face (hf), peft adapters (peft), DCP (dcp)"
+        "export", help="write a checkpoint in another layout: Hugging Face (hf), peft adapters (peft), DCP (dcp), one"
+        " Lightning .ckpt file (lightning)"
     )
     x.add_argument("checkpoint_dir")
     x.add_argument("output_dir")
-    x.add_argument("--format", choices=["hf", "peft", "dcp"], default="hf",
+    x.add_argument("--format", choices=["hf", "peft", "dcp", "lightning"], default="hf",
                    help="output layout (hf: sharded safetensors + index, peft adapters merged into --base; peft:"
                    " adapter_model.safetensors + adapter_config.json for PeftModel.from_pretrained; dcp:"
                    " torch.distributed.checkpoint directory that ModelParallelStrategy resumes from, with the"
-                   " optimizer state)")
+                   " optimizer state; lightning: one OUT.ckpt file for LightningModule.load_from_checkpoint)")
     x.add_argument(
         "--prefix", default="", help="the submodule whose keys are exported, without its name (e.g. 'model')"
     )
@@ -100,6 +102,8 @@ def _export(args: argparse.Namespace) -> int:
 
     if args.format == "dcp":
         return _export_dcp(args)
+    if args.format == "lightning":
+        return _export_lightning(args)
     if args.format == "peft":
         return _export_peft(args)
     misplaced = [flag for flag, given in (("--adapter-config", args.adapter_config),
@@ -130,6 +134,23 @@ def _export_peft(args: argparse.Namespace) -> int:
                          prefix=args.prefix, adapter_name=args.adapter_name, dtype=args.dtype,
                          overwrite=args.overwrite)
     print(f"wrote {', '.join(result.files)} ({result.total_size / 2**20:.2f} MiB) to {result.output_dir}")
+    return 0
+
+
+def _export_lightning(args: argparse.Namespace) -> int:
+    from lightning_shard.checkpoint.lightning_export import export_lightning
+
+    given = [flag for flag, value in (("--prefix", args.prefix), ("--dtype", args.dtype), ("--config", args.config),
+                                      ("--max-shard-size", args.max_shard_size != "5GB"),
+                                      ("--weights", args.weights != "current"),
+                                      ("--adapter-config", args.adapter_config), ("--adapter-name", args.adapter_name),
+                                      ("--base", args.base)) if value]
+    if given:
+        print(f"lightning-shard: {', '.join(given)} do not apply to --format lightning, which writes the whole model"
+              " as the Trainer saved it.", file=sys.stderr)
+        return 2
+    result = export_lightning(args.checkpoint_dir, args.output_dir, overwrite=args.overwrite)
+    print(f"wrote {result.tensors} model tensors ({result.total_size / 2**20:.2f} MiB) to {result.output}")
     return 0
 
 

@@ -41,7 +41,7 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
     alias to the stored key). The result loads with ``safetensors.torch.load_file``. An existing file at ``output``
     is replaced; a path inside the checkpoint or a directory is refused.
     """
-    directory, output = _source(checkpoint_dir), Path(output)
+    directory, output = checkpoint_location(checkpoint_dir), Path(output)
     index = read_index(directory)
     if isinstance(directory, Path) and output.resolve().is_relative_to(directory.resolve()):
         raise CheckpointError(
@@ -105,7 +105,7 @@ class CheckpointSummary:
 
 def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummary:
     """Summarise a checkpoint directory; with ``verify``, check every file's SHA-256 and every piece's CRC-32."""
-    directory = _source(checkpoint_dir)
+    directory = checkpoint_location(checkpoint_dir)
     index = read_index(directory)
     require_complete(directory, index["tensors"])
     files = CheckpointFiles(directory, {name: info["size"] for name, info in index["files"].items()})
@@ -133,7 +133,7 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
     )
 
 
-def _source(checkpoint_dir: str | Path) -> Location:
+def checkpoint_location(checkpoint_dir: str | Path) -> Location:
     """The checkpoint to read: a local directory, or a URL (``s3://...``, credentials from the environment)."""
     return location(checkpoint_dir) if is_url(checkpoint_dir) else Path(checkpoint_dir)
 
