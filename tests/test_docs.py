@@ -60,6 +60,12 @@ class _OneProcessFabric(L.Fabric):
         super().__init__(*args, **(kwargs | {"devices": 1}))
 
 
+def quickstart_script() -> str:
+    """quickstart.md's first Python block: the ``quickstart.py`` the reader saves."""
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    return next(m.group(2) for m in _BLOCK.finditer(text) if m.group(1) == "python")
+
+
 @pytest.fixture
 def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     import signal
@@ -76,6 +82,10 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    # quickstart.md's later blocks import from the quickstart.py its first block saves.
+    (tmp_path / "quickstart.py").write_text(quickstart_script())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "quickstart", raising=False)
     lightning = type(L)("lightning")  # the block's `import lightning as L` must see the one-process Fabric
     lightning.__dict__.update(L.__dict__ | {"Fabric": _OneProcessFabric})
     monkeypatch.setitem(__import__("sys").modules, "lightning", lightning)
