@@ -182,6 +182,23 @@ def test_shape_mismatch_names_the_keys(tmp_path: Path, saved: dict) -> None:
     _fails_on_every_rank(ckpt, tmp_path / "o", r"model\.wte\.weight: checkpoint \(40, 16\), model \(37, 16\)")
 
 
+def test_another_models_checkpoint_is_named_so_without_suggesting_strict_loading(tmp_path: Path, saved: dict) -> None:
+    """Keys that differ and keys in common that differ in shape: strict_loading = False would fail too."""
+    ckpt = _copy(saved["ckpt"], tmp_path / "other")
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    index["tensors"]["model/model.head.weight"] = index["tensors"].pop("model/model.ln_f.weight")
+    index["tensors"]["model/model.wte.weight"]["shape"] = [40, 16]
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    pattern = (
+        r"missing keys \[model\.ln_f\.weight\], unexpected keys \[model\.head\.weight\]\. Of the keys both have, 1"
+        r" differ in shape \(\[model\.wte\.weight: checkpoint \(40, 16\).*it is a checkpoint of another model"
+    )
+    _fails_on_every_rank(ckpt, tmp_path / "o", pattern)
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(fit, 2, str(tmp_path / "o2"), 2, str(ckpt), timeout=120)
+    assert "strict_loading = False to load" not in str(failure.value)
+
+
 def failing_save(rank: int, world_size: int, ckpt_dir: str) -> str:
     """Save once, then make rank 1 fail while writing its shard of a second save to the same path."""
     from lightning_shard.checkpoint import writer as checkpoint_format
@@ -467,3 +484,10 @@ def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path, existing
     (tmp_path / "made-ready").mkdir()  # an empty directory holds nothing to lose
     assert run_on_ranks(save_over, 2, str(tmp_path / "made-ready")) == ["", ""]
     assert (tmp_path / "made-ready" / INDEX_FILE).is_file()
+
+
+def test_an_error_raised_on_several_ranks_is_said_once_after_the_ranks() -> None:
+    from lightning_shard.checkpoint.agreement import ranks_and_errors
+
+    assert ranks_and_errors(["x", "x", None, "y", "x", "x", "x"]) == "ranks 0, 1, 4-6: x; rank 3: y"
+    assert ranks_and_errors([None, "disk full"]) == "rank 1: disk full"

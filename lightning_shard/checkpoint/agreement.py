@@ -39,8 +39,28 @@ def agree(fn: Callable[[], T], group: Any = None) -> T:
         error = f"{type(err).__name__}: {err}"
     if _failed_anywhere(error is not None, group):
         errors = _all_gather(error, group)
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None))
+        raise CheckpointError(ranks_and_errors(errors))
     return result
+
+
+def ranks_and_errors(errors: list[str | None]) -> str:
+    """Each distinct error once, after the ranks that raised it (``"ranks 0-3, 5: ..."``), in rank order."""
+    by_error: dict[str, list[int]] = {}
+    for rank, error in enumerate(errors):
+        if error is not None:
+            by_error.setdefault(error, []).append(rank)
+    return "; ".join(f"{_rank_list(ranks)}: {error}" for error, ranks in by_error.items())
+
+
+def _rank_list(ranks: list[int]) -> str:
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def broadcast_str(value: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
@@ -40,6 +40,7 @@ from lightning_shard.checkpoint.reader import RowReads
 from lightning_shard.checkpoint.selection import expect_left_out
 from lightning_shard.checkpoint.storage import Location, local_only
 from lightning_shard.checkpoint.trainer_state import from_json_tree
+from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
 
@@ -97,7 +98,8 @@ def load_model_and_optimizers(
     # A checkpoint that left weights out: they are checked before the next forward instead of counting as missing
     # (see [Note: weights a checkpoint leaves out]).
     accounted = expect_left_out(engine, module, index.get(LEFT_OUT, {}), directory, strict)
-    result = check_model_keys(module, available | accounted, strict, "The checkpoint")
+    result = check_model_keys(module, available | accounted, strict, "The checkpoint",
+                              _shape_mismatches(engine, module, index, ties))
 
     def read() -> list[dict[str, Any]]:
         reads = RowReads()
@@ -123,17 +125,31 @@ def covered_keys(engine: ShardedModule, stored: set[str]) -> set[str]:
     return covered
 
 
-def check_model_keys(module: nn.Module, available: set[str], strict: bool, source: str) -> LoadResult:
+def check_model_keys(
+    module: nn.Module, available: set[str], strict: bool, source: str, shape_mismatches: Sequence[str] = ()
+) -> LoadResult:
     """The model's missing and unexpected keys against ``available``; with ``strict`` either kind raises, naming
-    ``source`` (what is being loaded)."""
+    ``source`` (what is being loaded). ``shape_mismatches``: the keys both hold in other shapes, as described by
+    ``_mismatch``; then ``strict_loading = False`` would not help, and the error does not suggest it."""
     expected = set(module.state_dict().keys())
     result = LoadResult(sorted(expected - available), sorted(available - expected))
     if strict and (result.missing_keys or result.unexpected_keys):
-        raise CheckpointError(
-            f"{source} does not match the model: missing keys {result.missing_keys}, unexpected keys"
-            f" {result.unexpected_keys}. Set LightningModule.strict_loading = False to load the keys that match."
-        )
+        head = (f"{source} does not match the model: missing keys {_some(result.missing_keys)}, unexpected keys"
+                f" {_some(result.unexpected_keys)}.")
+        if shape_mismatches:
+            raise CheckpointError(
+                f"{head} Of the keys both have, {len(shape_mismatches)} differ in shape ({_some(shape_mismatches)}):"
+                " it is a checkpoint of another model, which strict_loading = False would not load either. Load it"
+                " into the model that saved it."
+            )
+        raise CheckpointError(f"{head} Set LightningModule.strict_loading = False to load the keys that match.")
     return result
+
+
+def _some(items: Sequence[str], shown: int = 8) -> str:
+    """At most ``shown`` items of a list, and how many more there are."""
+    listed = ", ".join(items[:shown])
+    return f"[{listed}, and {len(items) - shown} more]" if len(items) > shown else f"[{listed}]"
 
 
 def _add_model_rows(
@@ -146,6 +162,21 @@ def _add_model_rows(
 ) -> None:
     """Add to ``reads`` this rank's rows of every parameter and buffer the checkpoint holds, straight into the shards
     and buffers (checked against the model's shapes first)."""
+    entries, plan, buffers = _model_targets(engine, module, index, ties)
+    mismatched = _shape_mismatches(engine, module, index, ties)
+    if mismatched:  # checked before anything is allocated or read
+        raise CheckpointError("Checkpoint tensors do not match the model's shapes: " + "; ".join(mismatched))
+    require_complete(directory, entries, [key for key, _ in plan] + [key for key, _ in buffers])
+    for key, p in plan:  # a failure stops all ranks via agree()
+        reads.add(entries[key], p.first_row, p.first_row + p.local_rows, p.sharded)
+    for key, buf in buffers:
+        reads.add(entries[key], 0, entries[key].rows, buf)
+
+
+def _model_targets(
+    engine: ShardedModule, module: nn.Module, index: dict[str, Any], ties: dict[str, str]
+) -> tuple[dict[str, StoredTensor], list[tuple[str, ShardedParam]], list[tuple[str, Tensor]]]:
+    """The checkpoint's model entries, and what of the model each fills: ``(key, parameter)`` and ``(key, buffer)``."""
     entries = dict(iter_index_tensors(index, MODEL_PREFIX))
     plan = []
     for p in engine.sharded_params():
@@ -154,15 +185,16 @@ def _add_model_rows(
             plan.append((key, p))
     owned = {f for p in engine.sharded_params() for f in p.fqns}
     buffers = [(k, b) for k, b in module.named_buffers(remove_duplicate=False) if k in entries and k not in owned]
+    return entries, plan, buffers
+
+
+def _shape_mismatches(
+    engine: ShardedModule, module: nn.Module, index: dict[str, Any], ties: dict[str, str]
+) -> list[str]:
+    """Each key the checkpoint and the model both have whose shape or dtype cannot be loaded, described."""
+    entries, plan, buffers = _model_targets(engine, module, index, ties)
     targets = [(key, p.global_shape, p.dtype) for key, p in plan] + [(key, b.shape, b.dtype) for key, b in buffers]
-    mismatched = [problem for key, shape, dtype in targets if (problem := _mismatch(key, entries[key], shape, dtype))]
-    if mismatched:  # checked before anything is allocated or read
-        raise CheckpointError("Checkpoint tensors do not match the model's shapes: " + "; ".join(mismatched))
-    require_complete(directory, entries, [key for key, _, _ in targets])
-    for key, p in plan:  # a failure stops all ranks via agree()
-        reads.add(entries[key], p.first_row, p.first_row + p.local_rows, p.sharded)
-    for key, buf in buffers:
-        reads.add(entries[key], 0, entries[key].rows, buf)
+    return [problem for key, shape, dtype in targets if (problem := _mismatch(key, entries[key], shape, dtype))]
 
 
 def _mismatch(key: str, entry: StoredTensor, shape: Any, dtype: torch.dtype) -> str | None:
