@@ -176,3 +176,28 @@ def test_inspect_into_a_pipe_its_reader_closed_ends_quietly(tmp_path: Path) -> N
     finally:
         os.close(write_end)
     assert done.stderr == "" and done.returncode == 0, done.stderr
+
+
+def fit_by_registry_name(rank: int, world_size: int, strategy_name: str) -> list[str]:
+    """A fit with ``Trainer(strategy=...)`` given by name; the warnings rank 0 saw that mention units."""
+    import warnings
+
+    import lightning as L
+
+    from tests.models import loader
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy_name, max_steps=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(LitModel("gpt"), train_dataloaders=loader("gpt"))
+    return [str(w.message) for w in caught if "one unit" in str(w.message)]
+
+
+def test_a_model_left_one_unit_on_several_ranks_is_warned_about_naming_the_fix() -> None:
+    from lightning_shard.testing import run_on_ranks
+
+    ranks = run_on_ranks(fit_by_registry_name, 2, "shard")
+    assert len(ranks[0]) == 1 and ranks[1] == [], ranks  # once, by rank 0
+    assert "made the whole LitModel one unit" in ranks[0][0] and "auto_wrap_policy={YourBlock}" in ranks[0][0]
+    assert "class_path: lightning_shard.ShardStrategy" in ranks[0][0]

@@ -39,6 +39,13 @@ def setup_sharded_module(
         param_init=options.param_init, cpu_allocator=options.cpu_allocator,
     )
     engine.buffer_sync.enabled = options.broadcast_buffers
+    if len(engine.units) == 1 and mesh.shard_size > 1 and not sharded_before:
+        rank_zero_warn(
+            f"ShardStrategy made the whole {type(module).__name__} one unit: no auto_wrap_policy and no wrap() or"
+            " mark_unit() chose smaller ones, so every step gathers the full model on every rank and only gradients"
+            " and optimizer state stay sharded. Pass auto_wrap_policy={YourBlock} (in a LightningCLI YAML:"
+            " strategy: {class_path: lightning_shard.ShardStrategy, init_args: {auto_wrap_policy: [YourBlock]}})."
+        )
     if sharded_before:
         engine.buffer_sync.broadcast()
     if options.checkpointing_policy is not None:
