@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from lightning.fabric.strategies import DDPStrategy
 from torch import Tensor, nn
 
+from lightning_shard.engine import sharded_module_of
 from lightning_shard.fabric import ShardStrategy
 from tests.checkpoint_fits import module_full_state
+from tests.fits import full_params
 from tests.models import GPTBlock, TinyGPT, make_dataset
 
 DATA_STEPS = 12  # optimizer steps of data every run draws from
@@ -237,26 +239,38 @@ def fabric_refusals(rank: int, world_size: int) -> dict[str, str]:
     return messages
 
 
-def fabric_load_raw_refusals(rank: int, world_size: int, tmp: str) -> dict[str, dict[str, Any]]:
-    """``fabric.load_raw`` of ``torch.save`` files (zip and legacy pickle) and into an optimizer: each error's
-    message and the built-in exception types it is an instance of, as this rank saw them."""
+def fabric_load_raw_of_torch_save_files(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """``fabric.load_raw`` of ``torch.save`` state dicts (zip and legacy) into a set-up module and into a module never
+    set up, of a pickle that calls a function, and into an optimizer: whether each module then holds the saved
+    weights exactly, and each error's message and the built-in exception types it is an instance of."""
     fabric = make_fabric(FabricRun(), world_size)
     model = fabric.setup_module(TinyGPT())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-    state = {k: v.detach().clone() for k, v in TinyGPT().state_dict().items()}
+    torch.manual_seed(5)
+    state = {k: v.detach().clone() for k, v in TinyGPT().state_dict().items()}  # other weights than the model's
     if rank == 0:
         torch.save(state, f"{tmp}/model.pt")
         torch.save(state, f"{tmp}/legacy.pt", _use_new_zipfile_serialization=False)
+        torch.save({"weight": torch.ones(1), "hook": print}, f"{tmp}/calls.pt")
     fabric.barrier()
-    errors: dict[str, dict[str, Any]] = {}
-    cases = [("zip", model, "model.pt"), ("legacy", model, "legacy.pt"), ("optimizer", optimizer, "model.pt")]
-    for name, target, path in cases:
+    results: dict[str, Any] = {}
+    engine = sharded_module_of(model)
+    assert engine is not None
+    for name in ("model.pt",):
+        fabric.load_raw(f"{tmp}/{name}", model)
+        full = full_params(engine)
+        results[name] = all(torch.equal(full[k], state[k]) for k in full)
+        plain = TinyGPT()
+        fabric.load_raw(f"{tmp}/{name}", plain)  # never set up: loads the whole state, as under FSDPStrategy
+        results[f"plain {name}"] = all(torch.equal(v, state[k]) for k, v in plain.state_dict().items())
+    for name, target, path in [("calls", model, "calls.pt"), ("legacy", model, "legacy.pt"),
+                               ("optimizer", optimizer, "model.pt")]:
         try:
             fabric.load_raw(f"{tmp}/{path}", target)
         except Exception as err:  # noqa: BLE001 - the message and type are what the test checks
             kinds = [k.__name__ for k in (ValueError, NotImplementedError, RuntimeError) if isinstance(err, k)]
-            errors[name] = {"message": str(err), "is": kinds}
-    return errors
+            results[name] = {"message": str(err), "is": kinds}
+    return results
 
 
 class _TwinModule(L.LightningModule):

@@ -13,7 +13,7 @@ from tests.fabric_fits import (
     FabricRun,
     fabric_fit,
     fabric_lit_module,
-    fabric_load_raw_refusals,
+    fabric_load_raw_of_torch_save_files,
     fabric_refusals,
     fabric_surface,
     fabric_with_another_checkpoint_io,
@@ -113,18 +113,19 @@ def test_misuse_is_refused_on_every_rank_with_what_to_do() -> None:
         assert messages["unchanged"] == "True", rank  # error_if_nonfinite: raised before any change
 
 
-def test_load_raw_names_a_torch_save_file_a_refused_pickle_and_refuses_an_optimizer_as_fsdp_does(
-    tmp_path: Path,
-) -> None:
-    for errors in run_on_ranks(fabric_load_raw_refusals, 2, str(tmp_path)):
-        for kind, file in (("zip", "model.pt"), ("legacy", "legacy.pt")):
-            message = errors[kind]["message"]
-            assert f"{tmp_path / file} is a pickle (the torch.save format" in message, message
-            assert "never loads pickles, because unpickling a file can run arbitrary code" in message
-            assert "safetensors.torch.save_file" in message and "damaged" not in message
-        # Lightning's FSDPStrategy raises NotImplementedError; ShardStrategy raised ValueError: both clauses catch it.
-        assert errors["optimizer"]["is"] == ["ValueError", "NotImplementedError", "RuntimeError"]
-        assert "fabric.load_raw(path, optimizer) is not supported" in errors["optimizer"]["message"]
+def test_load_raw_reads_torch_save_state_dicts_restricted_into_set_up_and_plain_modules(tmp_path: Path) -> None:
+    """As FSDPStrategy's ``load_raw``, but without running the pickle: tensors and plain containers only; a pickle
+    that calls a function is refused, as is the legacy format (which cannot be checked without running it) and an
+    optimizer (FSDPStrategy raises NotImplementedError)."""
+    for rank, results in enumerate(run_on_ranks(fabric_load_raw_of_torch_save_files, 2, str(tmp_path))):
+        for loaded in ("model.pt", "plain model.pt"):
+            assert results[loaded] is True, (rank, loaded)
+        assert "legacy.pt is in torch.save's legacy format" in results["legacy"]["message"], results["legacy"]
+        assert "holds a pickle that calls builtins.print; refused" in results["calls"]["message"], results["calls"]
+        assert results["optimizer"]["is"] == ["ValueError", "NotImplementedError", "RuntimeError"]
+        assert results["optimizer"]["message"].startswith(
+            "Loading a single optimizer object from a checkpoint is not supported yet with the ShardStrategy."
+        )
 
 
 @pytest.mark.parametrize(

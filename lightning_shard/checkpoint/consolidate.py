@@ -70,6 +70,17 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
     return output
 
 
+def full_model_state(directory: Location, index: dict[str, Any]) -> dict[str, Any]:
+    """Every model tensor of the checkpoint in full under the LightningModule's keys (tied weights under each name),
+    in memory: for a module that is not sharded (``fabric.load_raw`` into a plain module)."""
+    require_complete(directory, index["tensors"])
+    with FileHandles() as handles:
+        state = {key: read_tensor(entry, handles) for key, entry in iter_index_tensors(index, MODEL_PREFIX)}
+    for alias, stored in model_ties(index).items():
+        state[alias] = state[stored]
+    return state
+
+
 @dataclass(frozen=True)
 class CheckpointSummary:
     """What ``lightning-shard inspect`` reports."""

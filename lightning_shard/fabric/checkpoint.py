@@ -12,6 +12,7 @@ whenever the module's parameter names match (the same module class, e.g. the Lig
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,12 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
 from lightning_shard.checkpoint.background import BackgroundSaver
+from lightning_shard.checkpoint.consolidate import full_model_state
+from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.index import read_index
 from lightning_shard.checkpoint.load import load_model, load_safetensors_into
-from lightning_shard.checkpoint.pickles import refuse_pickle
+from lightning_shard.checkpoint.pickles import is_pickle
+from lightning_shard.checkpoint.safe_pickle import load_restricted
 from lightning_shard.checkpoint.save import StateDictType
 from lightning_shard.checkpoint.selection import KeyFilter, ModelSelection, SavedParameters
 from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS, load_checkpoint, save_checkpoint
@@ -118,17 +122,39 @@ def load_fabric_state(path: Location, state: dict[str, Any], strict: bool) -> di
 
 
 def load_raw_into(path: Location, module: nn.Module, strict: bool) -> None:
-    """``fabric.load_raw``: a plain ``.safetensors`` model file, or the model of a checkpoint directory; a file in
-    ``torch.save``'s format is refused, naming it a pickle. Collective."""
-    _, module = _sharded_module({"module": module}, "fabric.load_raw")
-    if not isinstance(path, Path) or path.is_dir():  # a URL is read as a checkpoint directory
-        engine = sharded_module_of(module)
-        assert engine is not None  # checked by _sharded_module
+    """``fabric.load_raw``: a plain ``.safetensors`` model file, a ``torch.save`` state dict (``.pt``/``.pth``, read
+    with the restricted reader: tensors and plain containers only), or the model of a checkpoint directory. A module
+    set up with ``fabric.setup_module()`` takes this rank's rows (collective); a module never set up loads the whole
+    state with ``load_state_dict``, as under ``FSDPStrategy``."""
+    engine = sharded_module_of(module)
+    if isinstance(path, Path) and path.is_file() and is_pickle(path):
+        module.load_state_dict(agree(lambda: _raw_state_dict(path)), strict=strict)
+    elif not isinstance(path, Path) or path.is_dir():  # a URL is read as a checkpoint directory
         index = agree(lambda: read_index(path))
-        load_model(engine, module, path, index, strict=strict)
+        if engine is None:
+            module.load_state_dict(agree(lambda: full_model_state(path, index)), strict=strict)
+        else:
+            load_model(engine, module, path, index, strict=strict)
     else:
-        agree(lambda: refuse_pickle(path))
         load_safetensors_into(module, path, strict=strict)
+
+
+def _raw_state_dict(path: Path) -> dict[str, Any]:
+    """The state dict a ``torch.save`` file holds, read without running its pickle (memory-mapped)."""
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"{path} is in torch.save's legacy format (_use_new_zipfile_serialization=False), whose pickle cannot be"
+            " checked without running it. Re-save it in a process you trust with torch.save's default format, or as"
+            " safetensors (safetensors.torch.save_file), and load that."
+        )
+    state = load_restricted(path, f"fabric.load_raw({str(path)!r})", mmap=True)
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(
+            f"{path} holds a {type(state).__name__}, not a state dict (a mapping of names to tensors): fabric.load_raw"
+            " loads a model's weights as torch.save(model.state_dict(), path) wrote them. A checkpoint with more"
+            " in it loads with fabric.load(path, {'model': model})."
+        )
+    return dict(state)
 
 
 class LoadNotSupportedError(ValueError, NotImplementedError):
@@ -139,7 +165,8 @@ class LoadNotSupportedError(ValueError, NotImplementedError):
 def optimizer_alone_error() -> LoadNotSupportedError:
     """``fabric.load_raw(path, optimizer)``: a raw file holds a model's weights, never optimizer state."""
     return LoadNotSupportedError(
-        "fabric.load_raw(path, optimizer) is not supported with ShardStrategy: a raw file holds a model's weights"
+        "Loading a single optimizer object from a checkpoint is not supported yet with the ShardStrategy."
+        " fabric.load_raw(path, optimizer) is not supported with ShardStrategy: a raw file holds a model's weights"
         " only. Load optimizer state from a checkpoint directory together with the set-up model:"
         " fabric.load(path, {'model': model, 'optimizer': optimizer})."
     )
@@ -149,8 +176,14 @@ def _sharded_module(state: Mapping[str, Any], caller: str) -> tuple[str, nn.Modu
     sharded = [(k, v) for k, v in state.items() if isinstance(v, nn.Module) and sharded_module_of(v) is not None]
     if len(sharded) != 1:
         found = [k for k, _ in sharded] or "none"
+        doing = "Loading" if "load" in caller else "Saving"
+        lightnings = (  # FSDPStrategy's words first, for code and log searches written for it
+            "Could not find a FSDP model in the provided checkpoint state." if not sharded else
+            f"Found multiple FSDP models in the given state. {doing} checkpoints with FSDP is currently limited to a"
+            " single model per checkpoint."
+        )
         raise ValueError(
-            f"{caller} with ShardStrategy needs exactly one module set up with fabric.setup_module() in the state"
-            f" (found {found}). Save or load each sharded module in a checkpoint of its own."
+            f"{lightnings} {caller} with ShardStrategy needs exactly one module set up with fabric.setup_module() in"
+            f" the state (found {found}). Save or load each sharded module in a checkpoint of its own."
         )
     return sharded[0]

@@ -397,8 +397,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             raise optimizer_alone_error()
         if not state:
             raise ValueError(
-                "ShardStrategy loads a checkpoint into live objects: pass the state with the set-up model, e.g."
-                " fabric.load(path, {'model': model, 'optimizer': optimizer})."
+                f"Got ShardStrategy.load_checkpoint(..., state={state!r}) but a state with at least a model instance to"
+                " reload is required. ShardStrategy loads a checkpoint into live objects: pass the state with the"
+                " set-up model, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})."
             )
         return load_fabric_state(directory, state, strict)
 
@@ -460,8 +461,9 @@ class _ShardBackwardSyncControl(_BackwardSyncControl):
         engine = sharded_module_of(module)
         if engine is None:
             raise TypeError(
-                "fabric.no_backward_sync() needs the model set up with fabric.setup_module() under ShardStrategy;"
-                f" got a {type(module).__name__} that is not sharded."
+                "Blocking backward sync is only possible if the module passed to `ShardStrategy.no_backward_sync` is"
+                " set up with fabric.setup_module() under ShardStrategy (FSDPStrategy: wrapped in"
+                f" `FullyShardedDataParallel`). Got: {type(module).__name__}, which is not sharded."
             )
         if not enabled:
             yield

@@ -155,8 +155,8 @@ tests_fabric/strategies/test_fsdp_integration.py
   into a one-device Fabric [c]
 - test_load_full_state_dict_into_sharded_model: a one-device checkpoint, then a raw state dict (``load_raw``). [a]
   F.test_a_single_device_checkpoint_loads_into_the_sharded_model,
-  F.test_a_plain_models_weights_load_into_the_sharded_model
-  (a raw ``torch.save`` pickle for ``load_raw`` [c])
+  F.test_a_plain_models_weights_load_into_the_sharded_model (a raw ``torch.save`` state dict too, read with
+  ``torch.load(weights_only=True)``)
 - test_setup_module_move_to_device[True|False] [a]
   F.test_setup_module_shards_onto_the_device_whatever_move_to_device_says
 - test_setup_with_orig_params_and_multiple_param_groups [a]
