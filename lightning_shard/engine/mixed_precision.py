@@ -91,23 +91,25 @@ NORMALIZATION_LAYERS: tuple[type[nn.Module], ...] = (
 )
 
 
-def cast_normalization_inputs(cast: Iterable[tuple[nn.Module, torch.dtype]]) -> None:
-    """For each ``(module, dtype)`` of a normalization layer whose weights are cast to ``dtype``: cast its floating
-    inputs to ``dtype`` too (see [Note: normalization inputs on CPU])."""
+def cast_normalization_inputs(modules: Iterable[nn.Module]) -> None:
+    """Give each normalization layer among ``modules`` (those whose weights are cast) its floating inputs in the
+    dtype its weight has when it runs: the compute dtype, or the master dtype inside ``summon_full_params`` (see
+    [Note: normalization inputs on CPU])."""
     done: set[int] = set()
-    for module, dtype in cast:
+    for module in modules:
         if isinstance(module, NORMALIZATION_LAYERS) and id(module) not in done:
             done.add(id(module))
-            module.register_forward_pre_hook(_inputs_in(dtype))
+            module.register_forward_pre_hook(_inputs_in_the_weights_dtype)
 
 
-def _inputs_in(dtype: torch.dtype):  # noqa: ANN202
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(
-            a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != dtype else a for a in args
-        )
-
-    return hook
+def _inputs_in_the_weights_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor):
+        return args
+    dtype = weight.dtype
+    return tuple(
+        a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != dtype else a for a in args
+    )
 
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")

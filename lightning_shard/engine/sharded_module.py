@@ -42,8 +42,10 @@ A forward of a sharded module is a collective: every rank must run as many as th
 keeps the ranks in step by itself (``synced_gpus``: a rank that reached its end token goes on running forwards
 until every rank has) for the modules it knows to be sharded, FSDP's and DeepSpeed ZeRO-3's, which it tells by the
 attribute ``_is_fsdp_managed_module`` (FSDP2 sets it, as does transformers' own ``apply_fsdp2``). The engine sets it
-on every module it shards, so a user's own ``self.model.generate(...)`` in a ``validation_step`` works unchanged
-when ranks stop at different lengths, as under DDP. A call on one rank alone (inside
+on the modules it shards that have a ``generate`` method (transformers' models), so a user's own
+``self.model.generate(...)`` in a ``validation_step`` works unchanged when ranks stop at different lengths, as under
+DDP. Only on those: ``torch.compile`` reads the same attribute and traces such a module as FSDP's (which needs FSDP's
+``use_orig_params``), so on a block compiled on its own it would stop compilation. A call on one rank alone (inside
 ``summon_full_params(rank0_only=True)``) must pass ``synced_gpus=False``, as it must under FSDP.
 
 [Note: prefetching and overlapped reductions]
@@ -135,7 +137,8 @@ class ShardedModule:
             unit.on_gradient_computed = self._finish_other_reduction
         setattr(root, _ENGINE_ATTR, self)
         for module in root.modules():  # see [Note: Hugging Face's generate() in step]
-            module._is_fsdp_managed_module = True  # type: ignore[assignment]
+            if callable(getattr(module, "generate", None)):
+                module._is_fsdp_managed_module = True  # type: ignore[assignment]
 
     @property
     def root_unit(self) -> ShardUnit:
@@ -411,8 +414,8 @@ def shard_module(
         units.append(unit)
     full.clear()
     if device.type == "cpu":  # see [Note: normalization inputs on CPU] in mixed_precision.py
-        cast_normalization_inputs((m, sp.compute_dtype) for sps in assignment.values() for sp in sps
-                                  if sp.compute_dtype is not None for m, _ in sp.owners)
+        cast_normalization_inputs(m for sps in assignment.values() for sp in sps if sp.compute_dtype is not None
+                                  for m, _ in sp.owners)
     materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
     engine = ShardedModule(root, units, mesh, strategy)
     engine.uninitialized = uninitialized
