@@ -50,14 +50,14 @@ def main(argv: list[str] | None = None) -> int:
                    " adapter_model.safetensors + adapter_config.json for PeftModel.from_pretrained; dcp:"
                    " torch.distributed.checkpoint directory that ModelParallelStrategy resumes from, with the"
                    " optimizer state; lightning: one OUT.ckpt file for LightningModule.load_from_checkpoint)")
-    x.add_argument(
-        "--prefix", default="", help="the submodule whose keys are exported, without its name (e.g. 'model')"
-    )
+    x.add_argument("--prefix", default=_EXPORT_OPTION_DEFAULTS["--prefix"],
+                   help="the submodule whose keys are exported, without its name (e.g. 'model')")
     x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    x.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 200MB or bytes")
+    x.add_argument("--max-shard-size", default=_EXPORT_OPTION_DEFAULTS["--max-shard-size"],
+                   help="largest weight file, e.g. 5GB, 200MB or bytes")
     x.add_argument("--config", default=None, help="a config.json to copy into OUTPUT_DIR")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
-    x.add_argument("--weights", choices=["current", "averaged"], default="current",
+    x.add_argument("--weights", choices=["current", "averaged"], default=_EXPORT_OPTION_DEFAULTS["--weights"],
                    help="the model as trained, or the average a WeightAveraging callback kept (--format hf, peft)")
     x.add_argument("--adapter-config", default=None,
                    help="--format peft of a checkpoint that recorded no adapters: the LoRA adapter_config.json")
@@ -97,6 +97,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# The export options that only some formats take, with their defaults (one source: the parser reads them here).
+_EXPORT_OPTION_DEFAULTS: dict[str, Any] = {
+    "--prefix": "", "--dtype": None, "--config": None, "--max-shard-size": "5GB", "--weights": "current",
+    "--adapter-config": None, "--adapter-name": None, "--base": None,
+}
+
+
+def _given(args: argparse.Namespace, *flags: str) -> list[str]:
+    """Which of ``flags`` (export options) the command line set to something other than their default."""
+    return [f for f in flags if getattr(args, f.lstrip("-").replace("-", "_")) != _EXPORT_OPTION_DEFAULTS[f]]
+
+
 def _export(args: argparse.Namespace) -> int:
     from lightning_shard.checkpoint.export import export_hf
 
@@ -106,8 +118,7 @@ def _export(args: argparse.Namespace) -> int:
         return _export_lightning(args)
     if args.format == "peft":
         return _export_peft(args)
-    misplaced = [flag for flag, given in (("--adapter-config", args.adapter_config),
-                                          ("--adapter-name", args.adapter_name)) if given]
+    misplaced = _given(args, "--adapter-config", "--adapter-name")
     if misplaced:
         print(f"lightning-shard: {', '.join(misplaced)} only apply to --format peft.", file=sys.stderr)
         return 2
@@ -125,8 +136,7 @@ def _export(args: argparse.Namespace) -> int:
 def _export_peft(args: argparse.Namespace) -> int:
     from lightning_shard.checkpoint.export import export_peft
 
-    misplaced = [flag for flag, given in (("--config", args.config), ("--base", args.base),
-                                          ("--max-shard-size", args.max_shard_size != "5GB")) if given]
+    misplaced = _given(args, "--config", "--base", "--max-shard-size")
     if misplaced:
         print(f"lightning-shard: {', '.join(misplaced)} do not apply to --format peft.", file=sys.stderr)
         return 2
@@ -140,11 +150,7 @@ def _export_peft(args: argparse.Namespace) -> int:
 def _export_lightning(args: argparse.Namespace) -> int:
     from lightning_shard.checkpoint.lightning_export import export_lightning
 
-    given = [flag for flag, value in (("--prefix", args.prefix), ("--dtype", args.dtype), ("--config", args.config),
-                                      ("--max-shard-size", args.max_shard_size != "5GB"),
-                                      ("--weights", args.weights != "current"),
-                                      ("--adapter-config", args.adapter_config), ("--adapter-name", args.adapter_name),
-                                      ("--base", args.base)) if value]
+    given = _given(args, *_EXPORT_OPTION_DEFAULTS)
     if given:
         print(f"lightning-shard: {', '.join(given)} do not apply to --format lightning, which writes the whole model"
               " as the Trainer saved it.", file=sys.stderr)
@@ -157,10 +163,8 @@ def _export_lightning(args: argparse.Namespace) -> int:
 def _export_dcp(args: argparse.Namespace) -> int:
     from lightning_shard.checkpoint.dcp_export import export_dcp
 
-    hf_only = [flag for flag, given in (("--prefix", args.prefix), ("--dtype", args.dtype), ("--config", args.config),
-                                        ("--max-shard-size", args.max_shard_size != "5GB"),
-                                        ("--weights", args.weights != "current"),
-                                        ("--adapter-config", args.adapter_config), ("--base", args.base)) if given]
+    hf_only = _given(args, "--prefix", "--dtype", "--config", "--max-shard-size", "--weights", "--adapter-config",
+                     "--base")
     if hf_only:
         print(f"lightning-shard: {', '.join(hf_only)} only apply to --format hf; a DCP export writes the whole"
               " checkpoint as it is.", file=sys.stderr)

@@ -328,3 +328,66 @@ def test_consolidate_refuses_to_write_into_the_checkpoint_or_onto_a_directory(tm
         consolidate(ckpt, tmp_path / "folder")
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "folder"]  # no temporary file left
+
+
+# DCP metadata and pickles that claim more than they hold #
+
+
+def _chunked(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Any:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    return TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size(size),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+    )
+
+
+def _grid(rows: int, cols: int, n: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [((i * rows, j * cols), (rows, cols)) for i in range(n) for j in range(n)]
+
+
+def test_dcp_chunks_on_a_grid_of_4096_are_checked_and_any_overlap_refused() -> None:
+    from lightning_shard.checkpoint.dcp import _check_tensor_entry
+
+    _check_tensor_entry("w", _chunked((128, 128), _grid(2, 2, 64)), CheckpointError)  # 64 x 64: rows and columns
+    overlapping = _grid(2, 2, 64)
+    overlapping[-1] = ((0, 0), (2, 2))  # the last chunk moved onto the first: same volume, one cell twice
+    with pytest.raises(CheckpointError, match="do not cover it exactly once"):
+        _check_tensor_entry("w", _chunked((128, 128), overlapping), CheckpointError)
+    staggered: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((i, 0), (1, 128 - i)) for i in range(64)]
+    staggered += [((i, 128 - i), (1, i)) for i in range(1, 64)]
+    _check_tensor_entry("w", _chunked((64, 128), staggered), CheckpointError)  # off a grid, but an exact cover
+
+
+def test_dcp_metadata_listing_more_chunks_than_a_save_writes_is_refused() -> None:
+    from lightning_shard.checkpoint import dcp
+
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((i,), (1,)) for i in range(dcp.MAX_CHUNKS + 1)]
+    with pytest.raises(CheckpointError, match=f"lists {dcp.MAX_CHUNKS + 1} chunks, more than"):
+        dcp._check_tensor_entry("w", _chunked((dcp.MAX_CHUNKS + 1,), chunks), CheckpointError)
+
+
+class _HugeArray:
+    """Pickles as a call of numpy's ``_reconstruct`` for a 1 TiB array (numpy's own pickles ask for an empty one)."""
+
+    def __reduce__(self) -> Any:
+        import numpy as np
+
+        multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+        return (multiarray._reconstruct, (np.ndarray, (2**40,), b"b"))
+
+
+def test_a_pickle_that_asks_numpy_for_a_huge_array_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    import numpy as np
+
+    from lightning_shard.checkpoint.safe_pickle import load_restricted
+
+    torch.save({"callbacks": {"state": _HugeArray()}}, tmp_path / "crafted.pt")
+    with pytest.raises(CheckpointError, match=r"crafted\.pt is refused: the pickle asks numpy for an array of shape"):
+        load_restricted(tmp_path / "crafted.pt", str(tmp_path / "crafted.pt"))
+    torch.save({"callbacks": {"state": np.arange(5.0)}}, tmp_path / "honest.pt")  # numpy's own pickle still loads
+    assert load_restricted(tmp_path / "honest.pt", "honest")["callbacks"]["state"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -11,6 +11,7 @@ offsets; a reader takes the rows it needs from the chunks that hold them, whatev
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import pickle
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -158,6 +160,8 @@ def _check_tensor_entry(key: str, entry: Any, damaged: Callable[[str], Checkpoin
     chunks = entry.chunks
     if not isinstance(chunks, list) or not chunks:
         raise damaged(f"tensor {key!r} has no chunks")
+    if len(chunks) > MAX_CHUNKS:
+        raise damaged(f"tensor {key!r} lists {len(chunks)} chunks, more than the {MAX_CHUNKS} a save can write")
     volume = 0
     for c in chunks:
         ok = isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size) and isinstance(
@@ -169,18 +173,40 @@ def _check_tensor_entry(key: str, entry: Any, damaged: Callable[[str], Checkpoin
         raise damaged(f"the chunks of tensor {key!r} (size {list(size)}) do not cover it exactly once")
 
 
+MAX_CHUNKS = 1 << 20  # chunks of one tensor a DCP index may list (one per saving rank, or per rank pair with TP)
+_MAX_IRREGULAR_CHUNKS = 256  # chunks not on a grid, compared pair by pair (32,640 pairs at most)
+
+
 def _overlap(chunks: Sequence[Any]) -> bool:
-    """Whether two chunks overlap. Chunks that split dim 0 only (FSDP's) are checked in ``n log n``."""
-    if all(c.offsets[1:] == torch.Size([0] * (len(c.offsets) - 1)) for c in chunks) and len(
-        {tuple(c.sizes[1:]) for c in chunks}
-    ) == 1:
-        spans = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks if c.offsets)
-        return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
-    return any(
-        all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
-        and math.prod(a.sizes) and math.prod(b.sizes)
-        for i, a in enumerate(chunks) for b in chunks[i + 1 :]
-    )
+    """Whether two (non-empty) chunks overlap, in ``n log n`` plus the cells of the grid their boundaries draw.
+
+    The boundaries of all chunks cut each dimension into intervals; the intervals make a grid, and each chunk covers
+    a block of whole cells. The chunks overlap exactly when some cell is covered twice. DCP's chunks are a grid
+    already (a split per dimension: FSDP's rows, or rows and columns with tensor parallelism), so the grid has about
+    as many cells as there are chunks. Chunks whose grid has more than ``4 n + 64`` cells are compared pair by pair
+    when there are at most 256 of them, and refused as a damaged index otherwise, rather than walked (the chunks'
+    volumes already add up to the tensor's, which the caller checked)."""
+    chunks = [c for c in chunks if math.prod(c.sizes)]
+    if len(chunks) < 2:
+        return False
+    dims = len(chunks[0].offsets)
+    cuts = [sorted({c.offsets[d] for c in chunks} | {c.offsets[d] + c.sizes[d] for c in chunks}) for d in range(dims)]
+    cells = math.prod(len(cut) - 1 for cut in cuts)
+    if cells > 4 * len(chunks) + 64:  # not a grid: pairwise, for the few chunks an irregular split can honestly have
+        if len(chunks) > _MAX_IRREGULAR_CHUNKS:
+            return True
+        return any(
+            all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+            for i, a in enumerate(chunks) for b in chunks[i + 1 :]
+        )
+    covered = np.zeros([len(cut) - 1 for cut in cuts], dtype=np.uint8)
+    for c in chunks:
+        block = tuple(slice(bisect.bisect_left(cut, o), bisect.bisect_left(cut, o + s))
+                      for cut, o, s in zip(cuts, c.offsets, c.sizes))
+        if covered[block].any():
+            return True
+        covered[block] = 1
+    return False
 
 
 def _is_count(value: Any) -> bool:

@@ -63,9 +63,27 @@ def lightning_types() -> list[Callable[..., Any] | tuple[Callable[..., Any], str
         np.dtype,
         np.ndarray,
         *_numeric_dtype_classes(),
-        *[(fn, f"numpy.{core}.multiarray.{fn.__name__}") for fn in (multiarray.scalar, multiarray._reconstruct)
+        *[(fn, f"numpy.{core}.multiarray.{name}") for fn, name in ((multiarray.scalar, "scalar"),
+                                                                    (_empty_array_to_fill, "_reconstruct"))
           for core in ("core", "_core")],
     ]
+
+
+def _empty_array_to_fill(subtype: Any, shape: Any, dtype: Any) -> Any:
+    """numpy's ``_reconstruct`` as its own pickles call it: an empty array of shape ``(0,)``, whose state (shape,
+    dtype and bytes, checked against each other by numpy) the pickle sets next. Any other shape would allocate what a
+    few bytes of pickle claim (a 1 TiB array from 100 bytes), so it is refused."""
+    import importlib
+
+    import numpy as np
+
+    if tuple(shape) != (0,):
+        raise CheckpointError(
+            f"the pickle asks numpy for an array of shape {tuple(shape)} before giving its data; numpy's own pickles"
+            " ask for an empty one, so the file is crafted or damaged (nothing was allocated)"
+        )
+    multiarray = importlib.import_module("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray")
+    return multiarray._reconstruct(subtype, shape, dtype)
 
 
 def _numeric_dtype_classes() -> list[type]:
@@ -99,7 +117,9 @@ def load_restricted(source: Path | bytes, what: str, mmap: bool = False) -> Any:
                 f"{what} holds a pickle that torch.load(weights_only=True) refuses ({_refused_line(err)});"
                 " lightning_shard never unpickles in full (see 'holds a pickle that calls' in docs/troubleshooting.md)."
             ) from None
-        except (RuntimeError, ValueError, EOFError, zipfile.BadZipFile, OSError) as err:
+        except CheckpointError as err:  # refused by one of the admitted functions
+            raise CheckpointError(f"{what} is refused: {err}") from None
+        except (RuntimeError, ValueError, EOFError, zipfile.BadZipFile, OSError, MemoryError) as err:
             raise CheckpointError(f"{what} cannot be read as a torch.save file: {_first_line(err)}") from None
 
 
