@@ -40,7 +40,6 @@ from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint.adapters import ADAPTERS, peft_adapters
 from lightning_shard.checkpoint.agreement import agree, broadcast_str, gather_on_first_rank
 from lightning_shard.checkpoint.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
-from lightning_shard.checkpoint.file_modes import give_default_modes
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -206,13 +205,12 @@ def write_trainer_state(
 ) -> list[FileRecord]:
     """Rank 0: ``trainer_state.json`` and ``trainer_state.safetensors`` (named with ``prefix``) into the temporary
     directory."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tmp.mkdir(parents=True, exist_ok=True)
     json_name, tensors_name = prefix + TRAINER_STATE_JSON, prefix + TRAINER_STATE_TENSORS
     (tmp / json_name).write_text(_trainer_state_json(trainer_state))
-    save_file(tensors, str(tmp / tensors_name))
-    give_default_modes(tmp / tensors_name)  # save_file makes it 0600
+    (tmp / tensors_name).write_bytes(save(tensors))  # a few values; written as open() does, under the umask
     return [_record(tmp / name, None) for name in (json_name, tensors_name)]
 
 

@@ -46,12 +46,11 @@ def newest_last_checkpoint(trainer: pl.Trainer, storage_options: dict[str, Any] 
 
 
 def _parse_ckpt_path(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-    """Lightning's ``_parse_ckpt_path``, with "last" found on object storage first for a ``ShardStrategy``."""
-    from lightning_shard.trainer.strategy import ShardStrategy
-
-    strategy = self.trainer.strategy
-    if ckpt_path == "last" and isinstance(strategy, ShardStrategy):
-        found = newest_last_checkpoint(self.trainer, strategy._storage_options)
+    """Lightning's ``_parse_ckpt_path``, with "last" first looked up by a strategy that can (``ShardStrategy``'s
+    ``find_last_checkpoint``)."""
+    find = getattr(self.trainer.strategy, "find_last_checkpoint", None)
+    if ckpt_path == "last" and find is not None:
+        found = find(self.trainer)
         if found is not None:
             return found
     return _LIGHTNINGS_PARSE_CKPT_PATH(self, state_fn, ckpt_path, *args, **kwargs)

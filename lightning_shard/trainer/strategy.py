@@ -55,7 +55,6 @@ from lightning_shard.engine.policies import (
 from lightning_shard.engine.progress import note_step
 from lightning_shard.engine.sharded_module import ShardedModule
 from lightning_shard.engine.wrapping import wrap_marks_units
-from lightning_shard.trainer import last_checkpoint  # noqa: F401 - see [Note: "last" on object storage]
 from lightning_shard.trainer.checkpoints import (
     load_model_state,
     load_optimizer_states,
@@ -63,6 +62,7 @@ from lightning_shard.trainer.checkpoints import (
     remove_checkpoint_dir,
     saves_in_background,
 )
+from lightning_shard.trainer.last_checkpoint import newest_last_checkpoint
 from lightning_shard.trainer.precision import ShardPrecision, as_shard_precision
 from lightning_shard.trainer.preemption import attach_preemption, detach_preemption
 from lightning_shard.trainer.save_scope import SaveScope, TrainerSaves
@@ -242,6 +242,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def find_last_checkpoint(self, trainer: pl.Trainer) -> str | None:
+        """Where ``fit(ckpt_path="last")`` resumes from when a ``ModelCheckpoint`` saves to a URL (``None``: leave it
+        to Lightning); see [Note: "last" on object storage]."""
+        return newest_last_checkpoint(trainer, self._storage_options)
 
     @override
     def setup_environment(self) -> None:
