@@ -31,6 +31,7 @@ from tests.models import GPTBlock, TinyGPT, make_dataset
 
 FIXTURE_V1 = Path(__file__).parent / "fixtures" / "checkpoint_v1" / "checkpoint"
 EXPECTED_V1 = FIXTURE_V1.parent / "expected.safetensors"
+FIXTURE_V2 = Path(__file__).parent / "fixtures" / "checkpoint_v2" / "checkpoint"  # written so by the version-2 writer
 
 
 class VersionOneModel(nn.Module):
@@ -82,6 +83,29 @@ def load_version_1_fixture(rank: int, world_size: int, path: str) -> dict[str, A
     values, _ = load_checkpoint(path, model, [optimizer])
     state = module_full_state(model, [optimizer])
     return {"values": values, "params": state["params"], "optimizer": state["optimizer"]}
+
+
+def load_refused(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """Load the damaged checkpoint ``path`` into ``VersionOneModel`` and its Adam after a step of their own: the error,
+    and whether the model and the optimizer still hold exactly what they held before."""
+    from lightning_shard.checkpoint.format import CheckpointError
+
+    torch.manual_seed(1)
+    model = VersionOneModel()
+    shard_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    _adam_step(model, optimizer)
+    before = module_full_state(model, [optimizer])
+    try:
+        load_checkpoint(path, model, [optimizer])
+        error = ""
+    except CheckpointError as err:
+        error = str(err)
+    after = module_full_state(model, [optimizer])
+    unchanged = all(before[part].keys() == after[part].keys() and all(
+        torch.equal(value, after[part][name]) for name, value in before[part].items()) for part in before)
+    _adam_step(model, optimizer)  # and it trains on
+    return {"error": error, "unchanged": unchanged}
 
 
 # --------------------------------------------------------------------------------------------------

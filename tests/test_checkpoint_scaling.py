@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import struct
-import types
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -23,25 +22,29 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_shard import CheckpointError, consolidate, inspect
-from lightning_shard.checkpoint import consolidate as consolidate_module
+from lightning_shard.checkpoint import files as files_module
 from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint import reader as reader_module
+from lightning_shard.checkpoint import writer as writer_module
 from lightning_shard.checkpoint.format import INDEX_FILE, MAX_JSON_BYTES, SMALL_PIECE_BYTES, shard_file_name
 from lightning_shard.checkpoint.index import read_index
 from lightning_shard.checkpoint.layout import shard_rows
 from lightning_shard.checkpoint.reader import RowReads, read_rows
+from lightning_shard.checkpoint.safetensors_header import BLOCK_BYTES
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.testing import run_on_ranks
 from lightning_shard.testing_checkpoints import simulate_save, simulated_index
 from tests.checkpoint_scaling_fits import (
-    EXPECTED_V1,
     FIXTURE_V1,
+    FIXTURE_V2,
     TallGPT,
     load_counting,
+    load_refused,
     load_version_1_fixture,
     plain_state,
     save_sharded,
     trained_plain,
+    write_version_1_fixture,
 )
 from tests.models import TinyGPT
 
@@ -198,13 +201,13 @@ def test_consolidate_and_inspect_read_each_header_once(
     tall: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: list[str] = []
-    real = checkpoint_format.parse_header
+    real = files_module.parse_header
 
     def counting(text: bytes, path: Path | str, *args: Any) -> Any:
         reads.append(Path(path).name)
         return real(text, path, *args)
 
-    monkeypatch.setattr(checkpoint_format, "parse_header", counting)
+    monkeypatch.setattr(files_module, "parse_header", counting)
     out = consolidate(tall["path"], tmp_path / "model.safetensors")
     assert sorted(reads) == sorted(p.name for p in tall["path"].glob("shard-*.safetensors"))
     expected = tall["model"].state_dict()
@@ -215,46 +218,23 @@ def test_consolidate_and_inspect_read_each_header_once(
     assert sorted(reads) == sorted(p.name for p in tall["path"].glob("shard-*.safetensors"))
 
 
-_NOT_A_FILE_AT_A_TIME = {"_checked_parts": lambda group, segment: None}  # as files without running CRC-32s are read
-_NOT_IN_PLACE = {"_SCATTERED_READS": False}  # as where the C library has no preadv (see [Note: checking pieces ...])
-READ_PATHS = {"runs read in place": {},
-              "runs read in place, 2 iovecs a call": {"scattered_reads._IOV_MAX": 2},
-              "runs read in place, the iovecs of 5 built at once": {"scattered_reads._IOV_ROWS_AT_ONCE": 5},
-              "runs read in place, gaps of at most 8 bytes": {"_GAP_BYTES": 8},
-              "runs scattered": {"_SCATTER_PIECE_BYTES": 0, **_NOT_IN_PLACE},
-              "runs scattered, 2 buffers a call": {"_IOV_MAX": 2, "_SCATTER_PIECE_BYTES": 0, **_NOT_IN_PLACE},
-              "runs buffered": {"_scatters": lambda files: False, **_NOT_A_FILE_AT_A_TIME},
-              "runs through 40 bytes": {"_scatters": lambda files: False, "_SPAN_BYTES": 40, **_NOT_A_FILE_AT_A_TIME},
-              "runs checked a file at a time": {**_NOT_IN_PLACE},
-              "runs checked a file at a time, gaps skipped": {"_CRC_GAP_BYTES": 0, **_NOT_IN_PLACE},
-              "runs checked a file at a time, gaps skipped, 2 buffers a call": {"_CRC_GAP_BYTES": 0, "_IOV_MAX": 2,
-                                                                                **_NOT_IN_PLACE},
-              "runs checked a file at a time, buffered": {"_scatters": lambda files: False},
-              "runs checked a file at a time, through 40 bytes": {"_scatters": lambda files: False, "_SPAN_BYTES": 40},
-              "no runs": {"_RUN_PIECE_BYTES": 0}}
+@pytest.fixture(params=[None, 16, 40], ids=["blocks of 64 KiB", "blocks of 16 bytes", "blocks of 40 bytes"])
+def block_bytes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The size of the checksummed blocks the saves of a test write (a reader takes it from each file's header)."""
+    if request.param is not None:
+        monkeypatch.setattr(writer_module, "BLOCK_BYTES", request.param)
+    return request.param or BLOCK_BYTES
 
 
-def _read_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
-    """Make the reader take ``path`` of ``READ_PATHS``."""
-    from lightning_shard.checkpoint import reader, scattered_reads
-
-    for name, value in READ_PATHS[path].items():
-        module, _, attribute = name.rpartition(".")
-        monkeypatch.setattr(scattered_reads if module else reader, attribute, value)
-
-
-@pytest.mark.parametrize("path", sorted(READ_PATHS))
+@pytest.mark.parametrize("window", [None, 40], ids=["windows of 8 MiB", "windows of 40 bytes"])
 def test_any_rows_of_a_split_tensor_read_exactly_as_saved(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_bytes: int, window: int | None
 ) -> None:
-    """Every [start, stop) of every tensor: pieces cut at either end, whole pieces in runs across files whose
-    headers differ (shards 0-1 hold rows of a 2-row weight, shard 5 a short piece, shard 6 nothing); read by each
-    path: runs read in place (a file's pieces in one C ``preadv``, each run checked where it landed; also 2 iovecs a
-    call, a file's read split at every gap), runs scattered into their targets (``os.preadv``, also 2 buffers a
-    call), runs through a buffer (and one of 40 bytes: windows of one file, segments of one piece), each piece
-    checked on its own or a file's pieces with one CRC-32 call (their spans read by ``preadv``, the bytes between
-    them skipped, or by one read), every piece on its own."""
-    _read_path(monkeypatch, path)
+    """Every [start, stop) of every tensor: pieces cut at either end, whole pieces in runs across files whose headers
+    differ (shards 0-1 hold rows of a 2-row weight, shard 5 a short piece, shard 6 nothing), blocks that cut pieces,
+    windows of one file and a few bytes."""
+    if window is not None:
+        monkeypatch.setattr(reader_module, "_WINDOW_BYTES", window)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(23, 2), torch.nn.Linear(2, 23))  # in shards 0-1, the 2 rows first
     ckpt = simulate_save(tmp_path / "ckpt", model, 7)  # 23 rows: 4 a shard, 3 in shard 5
@@ -287,77 +267,43 @@ def test_two_targets_of_the_same_rows_in_one_read_each_get_them(tmp_path: Path) 
         True] * 3
 
 
-@pytest.mark.parametrize("path", sorted(READ_PATHS))
-def test_a_corrupted_piece_among_many_is_named_by_its_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
-) -> None:
-    _read_path(monkeypatch, path)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 64))
-    ckpt = simulate_save(tmp_path / "ckpt", model, 16)  # 4 rows of the weight and of the bias a file
-    shard = ckpt / shard_file_name(9, 16)
-    data = bytearray(shard.read_bytes())
-    data[-8] ^= 0xFF  # in the last tensor of the file: the bias (4 rows, 16 bytes)
-    shard.write_bytes(bytes(data))
-    entry = read_index(ckpt)["tensors"]["model/0.bias"]
-    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: 'model/0\.bias' does not match"):
-        read_rows(entry, 0, 64)
-    assert torch.equal(read_rows(entry, 0, 36), model.state_dict()["0.bias"][:36])  # shards 0-8 are intact
-    problems = [f"{shard.name}: SHA-256 differs from the index",
-                f"{shard.name}: model/0.bias rows [36, 40] fail their CRC-32"]
-    assert inspect(ckpt).problems == problems
-    monkeypatch.setattr(consolidate_module, "_BLOCK_BYTES", 7)  # pieces across blocks of the file
-    assert inspect(ckpt).problems == problems
-
-
-# Files read with one CRC-32 call each (see [Note: one checksum a file read] in lightning_shard/checkpoint/reader.py)
-
-
-def _edit_header(path: Path, edit: Any) -> None:
-    """Apply ``edit`` to the JSON header of the safetensors file ``path``, in place: the header keeps its length
-    (padded with spaces, as the writer pads it), so the data does not move and the index's size still holds."""
+def _flip(path: Path, at: int) -> None:
     data = bytearray(path.read_bytes())
-    length = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8 : 8 + length])
-    edit(header)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= length
-    data[8 : 8 + length] = text + b" " * (length - len(text))
+    data[at] ^= 0x01
     path.write_bytes(bytes(data))
 
 
-def _linear_16(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
-    """A Linear(4, 64) saved as 16 ranks save it: 4 rows of the weight (64 bytes) and of the bias (16 bytes) a file."""
+def test_a_flipped_byte_is_refused_by_every_read_that_lands_bytes_its_checksum_covers(
+    tmp_path: Path, block_bytes: int
+) -> None:
+    """Whatever rows a read asks for (a reader of any world size), a byte flipped in a file fails every read of rows
+    whose bytes share a checksummed block with it, naming the file and the tensor; every other read lands the saved
+    values."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 64))
-    return model, simulate_save(tmp_path / "ckpt", model, 16)
-
-
-def _read_all(ckpt: Path) -> dict[str, torch.Tensor]:
-    tensors = read_index(ckpt)["tensors"]
-    reads = RowReads()
-    for key in ("model/0.weight", "model/0.bias"):
-        reads.add(tensors[key], 0, 64)
-    weight, bias = reads.run()
-    return {"0.weight": weight, "0.bias": bias}
-
-
-def _counting_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count the reader's CRC-32 calls, and its calls of the functions that check pieces on their own."""
-    from lightning_shard.checkpoint import reader
-
-    calls = {"crc32": 0, "pieces checked on their own": 0}
-
-    def counting(name: str, real: Any) -> Any:
-        def call(*args: Any) -> Any:
-            calls[name] += 1
-            return real(*args)
-        return call
-
-    monkeypatch.setattr(reader, "zlib", types.SimpleNamespace(crc32=counting("crc32", zlib.crc32)))
-    monkeypatch.setattr(reader, "_scatter", counting("pieces checked on their own", reader._scatter))
-    monkeypatch.setattr(reader, "_check_pieces_of", counting("pieces checked on their own", reader._check_pieces_of))
-    return calls
+    ckpt = simulate_save(tmp_path / "ckpt", model, 16)  # 4 rows of the weight (64 bytes), then of the bias (16)
+    shard = ckpt / shard_file_name(9, 16)
+    header = json.loads(shard.read_bytes()[8 : 8 + struct.unpack("<Q", shard.read_bytes()[:8])[0]])
+    data_start = shard.stat().st_size - 80
+    flipped = 64 + 2 * 4 + 1  # in the bias's row 38 (rows 36-39 are shard 9's)
+    _flip(shard, data_start + flipped)
+    assert header["model/0.bias"]["data_offsets"] == [64, 80]
+    index = read_index(ckpt)
+    state = model.state_dict()
+    for name, row_bytes, begin in (("0.bias", 4, 64), ("0.weight", 16, 0)):
+        entry = index["tensors"]["model/" + name]
+        for start in range(0, 64, 3):
+            for stop in range(start + 1, 65, 5):
+                lo, hi = max(start, 36), min(stop, 40)  # the rows read from shard 9
+                lands = lo < hi and (begin + (lo - 36) * row_bytes) // block_bytes <= flipped // block_bytes <= (
+                    begin + (hi - 36) * row_bytes - 1) // block_bytes
+                if lands:
+                    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: bytes \[\d+, \d+\) of its"
+                                       r" tensor data \(of .*'model/0\.bias'.*\) do not match their checksum"):
+                        read_rows(entry, start, stop)
+                else:
+                    assert torch.equal(read_rows(entry, start, stop), state[name][start:stop]), (name, start, stop)
+    assert inspect(ckpt).problems == [f"{shard.name}: SHA-256 differs from the index"]
 
 
 def test_a_shard_file_holds_its_small_pieces_first_in_each_part(tmp_path: Path) -> None:
@@ -383,135 +329,125 @@ def test_a_shard_file_holds_its_small_pieces_first_in_each_part(tmp_path: Path) 
         assert any(small) and not all(small), shard.name
 
 
-def test_a_shard_file_records_the_running_crc32_of_its_data_at_each_tensor_end(tmp_path: Path) -> None:
+def _edit_header(path: Path, edit: Any) -> None:
+    """Apply ``edit`` to the JSON header of the safetensors file ``path``, in place: the header keeps its length
+    (padded with spaces, as the writer pads it), so the data does not move and the index's size still holds."""
+    data = bytearray(path.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    data[8 : 8 + length] = text + b" " * (length - len(text))
+    path.write_bytes(bytes(data))
+
+
+def test_a_shard_file_records_the_crc32_of_each_block_of_its_data(tmp_path: Path, block_bytes: int) -> None:
     model, optimizer = trained_plain(TinyGPT)
     ckpt = simulate_save(tmp_path / "ckpt", model, 2, [optimizer])
     for shard in sorted(ckpt.glob("shard-*.safetensors")):
         raw = shard.read_bytes()
         length = struct.unpack("<Q", raw[:8])[0]
-        header = json.loads(raw[8 : 8 + length])
-        metadata, data = header.pop("__metadata__"), raw[8 + length :]
-        in_order = sorted(header, key=lambda key: header[key]["data_offsets"])
-        running = metadata["crc32_running"]
-        assert len(running) == 8 * len(in_order)
-        for i, key in enumerate(in_order):
-            assert int(running[8 * i : 8 * i + 8], 16) == zlib.crc32(data[: header[key]["data_offsets"][1]]), key
-        assert int(running[-8:], 16) == zlib.crc32(data)  # the last: the whole data section
+        assert raw[8:].startswith(b'{"__metadata__":{"crc32_blocks":"')  # first: found without parsing the JSON
+        metadata, data = json.loads(raw[8 : 8 + length])["__metadata__"], raw[8 + length :]
+        assert set(metadata) == {"crc32_blocks", "crc32_block_bytes"}
+        assert int(metadata["crc32_block_bytes"]) == block_bytes
+        blocks = [data[at : at + block_bytes] for at in range(0, len(data), block_bytes)]
+        assert metadata["crc32_blocks"] == "".join(f"{zlib.crc32(block):08x}" for block in blocks)
 
 
-@pytest.mark.parametrize(("in_place", "calls"), [(True, 2), (False, 16)])
-def test_small_pieces_are_checked_with_one_crc32_call_a_run_or_a_file_and_a_corrupted_byte_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool, calls: int
-) -> None:
-    """32 pieces: read in place, one call for each tensor's 16; through a buffer, one call a file."""
-    model, ckpt = _linear_16(tmp_path)
-    monkeypatch.setattr(reader_module, "_SCATTERED_READS", in_place and reader_module._SCATTERED_READS)
-    counted = _counting_calls(monkeypatch)
-    for name, value in _read_all(ckpt).items():
-        assert torch.equal(value, model.state_dict()[name]), name
-    assert counted == {"crc32": calls if reader_module._SCATTERED_READS == in_place else 16,  # no C preadv: 16
-                       "pieces checked on their own": 0}
-    shard = ckpt / shard_file_name(9, 16)
-    data = bytearray(shard.read_bytes())
-    data[-40] ^= 0x01  # one bit of the weight's piece (the bias is the last 16 bytes)
-    shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: 'model/0\.weight' does not match"):
-        _read_all(ckpt)
+def _linear_16(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    """A Linear(4, 64) saved as 16 ranks save it: 4 rows of the weight (64 bytes) and of the bias (16 bytes) a file."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64))
+    return model, simulate_save(tmp_path / "ckpt", model, 16)
 
 
-@pytest.mark.parametrize("damage", ["other digits", "not hex", "too short", "a number"])
-def test_a_damaged_running_crc32_in_a_header_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
-) -> None:
+def _read_all(ckpt: Path) -> dict[str, torch.Tensor]:
+    tensors = read_index(ckpt)["tensors"]
+    reads = RowReads()
+    for key in ("model/0.weight", "model/0.bias"):
+        reads.add(tensors[key], 0, 64)
+    weight, bias = reads.run()
+    return {"0.weight": weight, "0.bias": bias}
+
+
+def _digits(edit: Any) -> Any:
+    return lambda metadata: metadata.__setitem__("crc32_blocks", edit(metadata["crc32_blocks"]))
+
+
+HEADER_DAMAGE = {
+    "other digits": (_digits(lambda v: v[:-8] + f"{int(v[-8:], 16) ^ 1:08x}"),
+                     r"is corrupted: bytes \[0, 80\) of its tensor data"),
+    "not hex": (_digits(lambda v: v[:-1] + "g"), "not 8 hex digits for each of its 1 checksums"),
+    "too short": (_digits(lambda v: v[:-8]), "not 8 hex digits for each of its 1 checksums"),
+    "a number": (_digits(lambda v: 7), "not 8 hex digits for each of its 1 checksums"),
+    "no digits": (lambda metadata: metadata.pop("crc32_blocks"), "not 8 hex digits for each of its 1 checksums"),
+    "block size zero": (lambda metadata: metadata.__setitem__("crc32_block_bytes", "0"),
+                        "'crc32_block_bytes' metadata is '0', not a block size"),
+    "block size not a number": (lambda metadata: metadata.__setitem__("crc32_block_bytes", "x"),
+                                "metadata is 'x', not a block size"),
+    "block size beyond the limit": (lambda metadata: metadata.update(crc32_blocks="", crc32_block_bytes="99999999"),
+                                    "metadata is '99999999', not a block size of at most 67108864 bytes"),
+    "no block size": (lambda metadata: metadata.pop("crc32_block_bytes"), "metadata is None, not a block size"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(HEADER_DAMAGE))
+def test_damaged_checksums_in_a_header_are_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
+    edit, message = HEADER_DAMAGE[damage]
     _, ckpt = _linear_16(tmp_path)
-    monkeypatch.setattr(reader_module, "_SCATTERED_READS", False)  # reads in place check each tensor's CRC-32s
     shard = ckpt / shard_file_name(9, 16)
-
-    def edit(header: dict[str, Any]) -> None:
-        running = header["__metadata__"]["crc32_running"]
-        header["__metadata__"]["crc32_running"] = {
-            "other digits": running[:-8] + f"{int(running[-8:], 16) ^ 1:08x}",  # the whole data section's
-            "not hex": running[:-1] + "g", "too short": running[:-8], "a number": 7}[damage]
-
-    _edit_header(shard, edit)
-    if damage == "other digits":  # the data and each tensor's CRC-32 agree: the running CRC-32 is what is damaged
-        message = rf"{shard.name} is corrupted: its tensor data do not match the running CRC-32s its header records"
-    else:
-        message = rf"{shard.name}: the header's 'crc32_running' metadata is not 8 hex digits for each of its 2 tensors"
-    with pytest.raises(CheckpointError, match=message):
+    _edit_header(shard, lambda header: edit(header["__metadata__"]))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*{message}"):
         _read_all(ckpt)
 
 
-@pytest.mark.parametrize("damage", ["other digits", "not hex", "too short", "a number"])
-@pytest.mark.parametrize("in_place", [True, False])
-def test_damaged_crc32s_in_a_header_are_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str, in_place: bool
-) -> None:
-    model, ckpt = _linear_16(tmp_path)
-    monkeypatch.setattr(reader_module, "_SCATTERED_READS", in_place and reader_module._SCATTERED_READS)
-    shard = ckpt / shard_file_name(9, 16)
-
-    def edit(header: dict[str, Any]) -> None:
-        crcs = header["__metadata__"]["crc32"]  # the weight's, then the bias's
-        header["__metadata__"]["crc32"] = {
-            "other digits": crcs[:-8] + f"{int(crcs[-8:], 16) ^ 1:08x}", "not hex": crcs[:-1] + "g",
-            "too short": crcs[:-8], "a number": 7}[damage]
-
-    _edit_header(shard, edit)
-    if not in_place and damage in ("other digits", "not hex"):  # read checking the running CRC-32s: the data hold
-        assert inspect(ckpt).problems  # ... but inspect, which checks every piece, does not pass them
-        for name, value in _read_all(ckpt).items():
-            assert torch.equal(value, model.state_dict()[name]), name
-        return
-    if damage == "other digits":
-        message = rf"{shard.name} is corrupted: 'model/0\.bias' does not match its checksum"
-    else:
-        message = rf"{shard.name}: the header's 'crc32' metadata is not 8 hex digits for each of its 2 tensors"
-    with pytest.raises(CheckpointError, match=message):
-        _read_all(ckpt)
-
-
-def _strip_running_crc32s(ckpt: Path) -> None:
-    """Make ``ckpt``'s shard files what a save wrote before the running CRC-32s were recorded."""
-    for shard in ckpt.glob("shard-*.safetensors"):
-        _edit_header(shard, lambda header: header["__metadata__"].pop("crc32_running"))
-
-
-def test_files_without_running_crc32s_are_read_checking_each_piece(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, ckpt = _linear_16(tmp_path)
-    _strip_running_crc32s(ckpt)
-    monkeypatch.setattr(reader_module, "_SCATTERED_READS", False)  # reads in place do not use running CRC-32s
-    calls = _counting_calls(monkeypatch)
-    for name, value in _read_all(ckpt).items():
-        assert torch.equal(value, model.state_dict()[name]), name
-    assert calls == {"crc32": 32, "pieces checked on their own": 16}  # one call a piece; 16 files
-    shard = ckpt / shard_file_name(9, 16)
-    data = bytearray(shard.read_bytes())
-    data[-8] ^= 0x01
-    shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: 'model/0\.bias' does not match"):
-        _read_all(ckpt)
-
-
-def test_a_checkpoint_without_running_crc32s_loads_on_2_ranks_with_exactly_its_tensors(tmp_path: Path) -> None:
-    model, optimizer = trained_plain(TallGPT)
-    ckpt = simulate_save(tmp_path / "ckpt", model, 64, [optimizer], {"step": 1})
-    _strip_running_crc32s(ckpt)
-    for loaded in run_on_ranks(load_counting, 2, str(ckpt), TallGPT):
-        _assert_equal_states(loaded, plain_state(model, optimizer))
-
-
-def test_a_version_1_checkpoint_still_loads_at_any_world_size() -> None:
-    expected = load_file(str(EXPECTED_V1))
-    assert json.loads((FIXTURE_V1 / INDEX_FILE).read_text())["version"] == 1
-    for world_size in (2, 3):
-        for loaded in run_on_ranks(load_version_1_fixture, world_size, str(FIXTURE_V1)):
+@pytest.mark.parametrize("fixture", [FIXTURE_V1, FIXTURE_V2], ids=["version 1", "version 2"])
+def test_a_checkpoint_of_an_earlier_version_still_loads_at_any_world_size(fixture: Path) -> None:
+    expected = load_file(str(fixture.parent / "expected.safetensors"))
+    assert json.loads((fixture / INDEX_FILE).read_text())["version"] == (1 if fixture == FIXTURE_V1 else 2)
+    for world_size in (1, 2, 3):
+        for loaded in run_on_ranks(load_version_1_fixture, world_size, str(fixture)):
             assert loaded["values"] == {"step": 1}
             for part in ("params", "optimizer"):
                 for name, value in loaded[part].items():
                     assert torch.equal(value, expected[f"{part}/{name}"]), f"{part} {name} at {world_size} ranks"
+
+
+def _flip_in(ckpt: Path, shard: int, key: str, at: int) -> Path:
+    """Flip a bit of byte ``at`` of ``key``'s data in the file of shard ``shard`` of ``ckpt`` (of 2); that file."""
+    path = ckpt / shard_file_name(shard, 2)
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    begin, end = json.loads(raw[8 : 8 + length])[key]["data_offsets"]
+    assert 0 <= at < end - begin
+    _flip(path, 8 + length + begin + at)
+    return path
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize(("shard", "key", "at"), [
+    (0, "model/mix.weight", 13), (0, "optimizer/0/mix.bias/exp_avg_sq", 5), (1, "model/embed.weight", 2)],
+    ids=["a weight, in the row a third rank reads alone", "an optimizer moment of a bias",
+         "a file that not every rank reads"])
+def test_a_flipped_byte_is_refused_at_any_world_size_and_the_model_and_optimizer_keep_their_state(
+    tmp_path: Path, version: int, shard: int, key: str, at: int
+) -> None:
+    """Written on 2 ranks, one bit flipped in one shard's file, loaded on 1, 2 and 3 ranks: refused on every rank,
+    naming the file; the model and the optimizer hold what they held before the load (and train on), also on the
+    ranks that read only intact files."""
+    ckpt = tmp_path / "ckpt"
+    if version == 2:
+        shutil.copytree(FIXTURE_V2, ckpt)
+    else:
+        run_on_ranks(write_version_1_fixture, 2, str(ckpt))  # today's writer
+    assert json.loads((ckpt / INDEX_FILE).read_text())["version"] == version
+    damaged = _flip_in(ckpt, shard, key, at)
+    for world_size in (1, 2, 3):
+        for rank, result in enumerate(run_on_ranks(load_refused, world_size, str(ckpt))):
+            assert f"{damaged} is corrupted" in result["error"], (world_size, rank, result["error"])
+            assert result["unchanged"], (world_size, rank)
 
 
 def _first_piece(edit: Any) -> Any:
@@ -552,7 +488,7 @@ def test_a_shard_file_without_the_checksum_of_a_piece_is_refused(tmp_path: Path)
     index = json.loads((ckpt / INDEX_FILE).read_text())
     index["files"][shard.name]["size"] = shard.stat().st_size
     (ckpt / INDEX_FILE).write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=rf"{shard.name} records no CRC-32 of '.*': it is damaged"):
+    with pytest.raises(CheckpointError, match=rf"{shard.name} records no checksum of '.*': it is damaged"):
         consolidate(ckpt, tmp_path / "m.safetensors")
 
 

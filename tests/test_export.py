@@ -227,15 +227,14 @@ def test_a_piece_failing_its_checksum_fails_the_export(tmp_path: Path, monkeypat
     ckpt, _ = trained()
     damaged = tmp_path / "damaged.ckpt"
     shutil.copytree(ckpt, damaged)
-    from lightning_shard.checkpoint.format import read_safetensors_header
+    from lightning_shard.checkpoint.safetensors_header import read_safetensors_header
 
-    shard = damaged / "shard-00001-of-00002.safetensors"  # its header records each tensor's CRC-32, in data order
+    shard = damaged / "shard-00001-of-00002.safetensors"
     data = shard.read_bytes()
-    order = read_safetensors_header(shard, len(data)).table.in_order
-    digits = data.index(b'"crc32":"') + len(b'"crc32":"')
-    at = digits + 8 * order.index("model/model.transformer.h.1.mlp.c_fc.weight") + 7  # its last hex digit
-    shard.write_bytes(data[:at] + (b"1" if data[at : at + 1] == b"0" else b"0") + data[at + 1 :])
-    monkeypatch.setattr(export, "_BLOCK_BYTES", 100)  # blocks smaller than a piece: the export's own check
-    with pytest.raises(CheckpointError, match="c_fc.weight' does not match its checksum"):
+    header = read_safetensors_header(shard, len(data))
+    at = header.data_start + header.entries["model/model.transformer.h.1.mlp.c_fc.weight"].begin + 5
+    shard.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+    monkeypatch.setattr(export, "_BLOCK_BYTES", 100)  # the export reads a piece in parts: each part checked
+    with pytest.raises(CheckpointError, match=r"shard-00001-of-00002.safetensors is corrupted: bytes"):
         export.export_hf(damaged, tmp_path / "hf", prefix="model.")
     assert not (tmp_path / "hf").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["damaged.ckpt"]

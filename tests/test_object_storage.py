@@ -154,6 +154,34 @@ def test_a_checkpoint_saved_on_2_ranks_to_s3_loads_on_3(s3: S3Server, tmp_path: 
     assert not (tmp_path / "s3:").exists()
 
 
+def load_refused_on_s3(rank: int, world_size: int, url: str, options: dict[str, Any]) -> dict:
+    model, optimizer = _model(1)
+    _step(model, optimizer, rank)
+    before = module_full_state(model, [optimizer])
+    try:
+        load_checkpoint(url, model, [optimizer], storage_options=options)
+        error = ""
+    except CheckpointError as err:
+        error = str(err)
+    return {"error": error, "before": before, "after": module_full_state(model, [optimizer])}
+
+
+def test_a_flipped_byte_in_an_object_is_refused_at_the_writers_world_size_and_another(s3: S3Server) -> None:
+    """The bytes of one object of a shard file changed (its size kept): every load of it, on 2 ranks or 3, refuses
+    it on every rank, naming it, and leaves the model and the optimizer as they were."""
+    url = f"s3://{BUCKET}/engine/flipped"
+    run_on_ranks(train_and_save, 2, url, _options(s3.env))
+    fs = _s3fs(s3.env)
+    (shard,) = [n for n in _objects(s3.env, "engine/flipped") if n.endswith("shard-00001-of-00002.safetensors")]
+    data = bytearray(fs.cat(f"{BUCKET}/engine/flipped/{shard}"))
+    data[-3] ^= 0x01  # in the last tensor of rank 1's file: a small piece of the optimizer's state
+    fs.pipe(f"{BUCKET}/engine/flipped/{shard}", bytes(data))
+    for world_size in (2, 3):
+        for r in run_on_ranks(load_refused_on_s3, world_size, url, _options(s3.env)):
+            assert f"{url}/{shard} is corrupted" in r["error"], r["error"]
+            _assert_same_state(r["after"], r["before"])
+
+
 def save_with_a_failure(rank: int, world_size: int, url: str, env: dict[str, str], where: str) -> str:
     """A save whose upload fails: on rank 1's data file (``"data"``), or at the commit, once every data file is
     uploaded (``"index"``: a save killed just before its index)."""

@@ -46,10 +46,11 @@ def load_averaged(source: CheckpointSource, engine: ShardedModule, into: Average
     """Read this rank's rows of the averaged weights of ``source`` into ``into``'s tensors. Collective."""
     if not isinstance(source, ShardDirectory) or not has_average(source):
         raise CheckpointError(f"{source.path} holds no averaged weights (it was not saved with weight averaging).")
-    agree(lambda: _read(source, engine, into))
+    reads, results = agree(lambda: _read(source, engine, into))
+    reads.commit(results)  # once every rank has read everything (see [Note: a failed load changes nothing])
 
 
-def _read(source: ShardDirectory, engine: ShardedModule, into: AveragedTensors) -> None:
+def _read(source: ShardDirectory, engine: ShardedModule, into: AveragedTensors) -> tuple[RowReads, list[Tensor]]:
     entries = dict(iter_index_tensors(source.index, AVERAGE_PREFIX))
     ties = model_ties(source.index)
     # The average of a weight the save left out is not stored: it keeps the value it was built with, the weight
@@ -76,7 +77,7 @@ def _read(source: ShardDirectory, engine: ShardedModule, into: AveragedTensors) 
         wanted.append(name)
         reads.add(entries[name], 0, entries[name].rows, tensor)
     require_complete(source.path, entries, wanted)
-    reads.run()
+    return reads, reads.read()
 
 
 def _check(source: ShardDirectory, key: str, stored: Any, expected: Any) -> None:

@@ -14,7 +14,6 @@ import json
 import math
 import shutil
 import tempfile
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ from lightning_shard.checkpoint.averaged import Weights, weights_prefix
 from lightning_shard.checkpoint.file_modes import give_default_modes
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, read_json_object, submodule_prefix
 from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, read_index
-from lightning_shard.checkpoint.layout import StoredTensor, check_piece, require_complete
+from lightning_shard.checkpoint.layout import StoredTensor, require_complete
 from lightning_shard.checkpoint.reader import FileHandles, read_rows
 from lightning_shard.checkpoint.storage import local_only
 from lightning_shard.checkpoint.writer import SafetensorsStreamWriter
@@ -285,29 +284,19 @@ class _PieceWriter(SafetensorsStreamWriter):
 
 
 def _iter_pieces(entry: StoredTensor, handles: FileHandles) -> Iterator[torch.Tensor]:
-    """The rows of a tensor in row order, in blocks of at most ``_BLOCK_BYTES`` (one row at least).
-
-    Each stored piece is checked against its CRC-32 as its blocks go by; a mismatch raises before the tensor's
-    last bytes are written, so the export fails and leaves nothing behind.
-    """
+    """The rows of a tensor in row order, in blocks of about ``_BLOCK_BYTES`` (one row at least), every byte checked
+    against its file's checksums as it is read (see [Note: every byte that lands is checked]); a mismatch raises
+    before the tensor's last bytes are written, so the export fails and leaves nothing behind. A piece of a version
+    1-2 file is checked whole, so it is read whole, in one block."""
     if not entry.shape:
         yield read_rows(entry, 0, 1, handles)
         return
     row_bytes = math.prod(entry.row_shape) * entry.dtype.itemsize
     step = max(1, _BLOCK_BYTES // max(1, row_bytes))
     for piece in entry.pieces():  # in row order, covering every row once (docs/checkpoint_format.md)
-        path = entry.files.directory / piece.file
-        expected = check_piece(entry, piece, entry.files.header(piece.file))
-        crc = 0
-        for start in range(piece.lo, piece.hi, step):
-            block = read_rows(entry, start, min(piece.hi, start + step), handles)
-            crc = zlib.crc32(block.contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
-            if start + step >= piece.hi and expected is not None and crc & 0xFFFFFFFF != expected:
-                raise CheckpointError(
-                    f"Checkpoint file {path} is corrupted: {piece.key!r} does not match its checksum."
-                )
-            yield block
-            del block
+        rows = step if entry.files.header(piece.file).blocks is not None else piece.hi - piece.lo
+        for start in range(piece.lo, piece.hi, rows):
+            yield read_rows(entry, start, min(piece.hi, start + rows), handles)
 
 
 def _total_size(entries: dict[str, StoredTensor], out_dtype: Any) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint.adapters import ADAPTERS, check_adapters_record
+from lightning_shard.checkpoint.files import CheckpointFiles
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -26,7 +27,6 @@ from lightning_shard.checkpoint.format import (
     MODEL_PREFIX,
     READABLE_VERSIONS,
     CheckpointError,
-    CheckpointFiles,
     dtype_from_name,
     dtype_name,
     is_count,

@@ -20,14 +20,9 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from lightning_shard.checkpoint.format import (
-    INDEX_FILE,
-    CheckpointError,
-    CheckpointFiles,
-    SafetensorsHeader,
-    dtype_name,
-    safetensors_dtype_code,
-)
+from lightning_shard.checkpoint.files import CheckpointFiles
+from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError, dtype_name, safetensors_dtype_code
+from lightning_shard.checkpoint.safetensors_header import SafetensorsHeader
 
 
 def rows_per_shard(rows: int, shard_size: int) -> int:
@@ -164,18 +159,19 @@ def require_complete(directory: Path | Any, tensors: dict[str, StoredTensor], ke
             )
 
 
-def check_piece(entry: StoredTensor, piece: Piece, header: SafetensorsHeader, checksum: bool = True) -> int | None:
+def check_piece(entry: StoredTensor, piece: Piece, header: SafetensorsHeader) -> int | None:
     """Check that ``piece``'s file (whose checked header is ``header``) holds ``piece`` of ``entry`` as the index says:
-    its key, dtype and shape ``(hi - lo, *row_shape)``; return the piece's CRC-32 (``None`` when nothing records
-    one, or ``checksum`` is false: the caller checks the piece some other way)."""
+    its key, dtype and shape ``(hi - lo, *row_shape)``; return the piece's own CRC-32 where its checkpoint records one
+    (versions 1-2), ``None`` where its file checksums blocks of its data (version 3) or records no checksums at all (a
+    file no checkpoint wrote)."""
     info = header.entries.get(piece.key)
     shape = entry.shape
     if shape:
         shape = (piece.hi - piece.lo, *shape[1:])
     if info is not None and info.dtype is entry.dtype and (info.shape == shape or (not shape and info.shape == (1,))):
-        if not checksum:
+        if header.blocks is not None:
             return None
-        crc = piece.crc32 if piece.crc32 is not None else header.crc32.get(piece.key)  # a 0-dim tensor: () or (1,)
+        crc = piece.crc32 if piece.crc32 is not None else header.tensor_crc32(piece.key)  # a 0-dim tensor: () or (1,)
         if crc is not None or not entry.files.checksums_in_headers:
             return crc
     _refuse_piece(entry, piece, header, shape)
@@ -192,4 +188,4 @@ def _refuse_piece(entry: StoredTensor, piece: Piece, header: SafetensorsHeader, 
             f" {list(info.shape)} ({safetensors_dtype_code(info.dtype)}) but the index claims shape {list(shape)}"
             f" ({dtype_name(entry.dtype)})."
         )
-    raise CheckpointError(f"Checkpoint file {path} records no CRC-32 of {piece.key!r}: it is damaged.")
+    raise CheckpointError(f"Checkpoint file {path} records no checksum of {piece.key!r}: it is damaged.")

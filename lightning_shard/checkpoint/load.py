@@ -12,13 +12,14 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
+from lightning_shard.checkpoint.files import CheckpointFiles
 from lightning_shard.checkpoint.format import (
     INDEX_FILE,
     MAX_JSON_BYTES,
@@ -27,7 +28,6 @@ from lightning_shard.checkpoint.format import (
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
-    CheckpointFiles,
     check_loadable,
     member_named,
     member_path,
@@ -101,18 +101,46 @@ def load_model_and_optimizers(
     result = check_model_keys(module, available | accounted, strict, "The checkpoint",
                               _shape_mismatches(engine, module, index, ties))
 
-    def read() -> list[dict[str, Any]]:
+    def read() -> tuple[RowReads, list[Tensor], list[dict[str, Any]]]:
         reads = RowReads()
         _add_model_rows(reads, engine, module, directory, index, ties)
-        states = [] if optimizers is None else _optimizer_states(engine, optimizers, directory, index, strict, reads)
-        reads.run()
-        return states
+        pending: list[_Pending] = []
+        states = ([] if optimizers is None
+                  else _optimizer_states(engine, optimizers, directory, index, strict, reads, pending))
+        results = reads.read()
+        _fill(pending, results)
+        return reads, results, states
 
-    states = agree(read)
+    reads, results, states = agree(read)  # see [Note: a failed load changes nothing]
+    reads.commit(results)
     engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
     for optimizer, state in zip(optimizers or [], states):
         optimizer.load_state_dict(state)
     return result
+
+
+# [Note: a failed load changes nothing]
+# Every tensor a load reads lands in a new tensor first, checked (see [Note: every byte that lands is checked]); the
+# ranks then agree that every one of them read everything, and only then are the model's shards and buffers
+# overwritten (``RowReads.commit``) and the optimizers given their new state. A load that fails on any rank (a
+# damaged or missing file, a model that does not match) raises on every rank and leaves every model and optimizer as
+# it was, so a job can catch the error and load an older checkpoint. The cost: while a load runs, a rank holds a
+# second copy of its rows of the model (in the checkpoint's dtype); the optimizer's state is read into the tensors
+# it then keeps, so it costs nothing more (docs/checkpoint_format.md).
+
+
+class _Pending(NamedTuple):
+    """An optimizer state tensor a ``RowReads`` is reading: where it goes once read, and in what shape."""
+
+    into: dict[str, Any]
+    name: str
+    result: int
+    shape: tuple[int, ...]
+
+
+def _fill(pending: list[_Pending], results: list[Tensor]) -> None:
+    for p in pending:
+        p.into[p.name] = results[p.result].reshape(p.shape)
 
 
 def covered_keys(engine: ShardedModule, stored: set[str]) -> set[str]:
@@ -213,9 +241,9 @@ def load_optimizers(
     With ``strict=False``, parameters the checkpoint does not know start with fresh optimizer state.
     """
     def read() -> list[dict[str, Any]]:
-        reads = RowReads()
-        states = _optimizer_states(engine, optimizers, directory, index, strict, reads)
-        reads.run()
+        reads, pending = RowReads(), list[_Pending]()
+        states = _optimizer_states(engine, optimizers, directory, index, strict, reads, pending)
+        _fill(pending, reads.read())
         return states
 
     for optimizer, state in zip(optimizers, agree(read)):
@@ -229,13 +257,14 @@ def _optimizer_states(
     index: dict[str, Any],
     strict: bool,
     reads: RowReads,
+    pending: list[_Pending],
 ) -> list[dict[str, Any]]:
     """Each optimizer's state dict (``optimizers`` must be all the checkpoint holds), their tensors added to
-    ``reads``."""
+    ``reads`` and to ``pending``, to be put in place once read."""
     saved = index.get("optimizers", [])
     if len(saved) != len(optimizers):
         raise CheckpointError(f"The checkpoint holds {len(saved)} optimizer states; the model has {len(optimizers)}.")
-    return [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads)
+    return [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads, pending)
             for i, (opt, meta) in enumerate(zip(optimizers, saved))]
 
 
@@ -248,8 +277,10 @@ def _optimizer_state(
     index: dict[str, Any],
     strict: bool,
     reads: RowReads,
+    pending: list[_Pending],
 ) -> dict[str, Any]:
-    """Optimizer ``i``'s state dict, its per-parameter tensors to be filled by ``reads`` (added to it here)."""
+    """Optimizer ``i``'s state dict, its per-parameter tensors to be filled from ``reads`` (added to it and to
+    ``pending`` here)."""
     by_shard = {id(p.sharded): p for p in engine.sharded_params()}
     current = [[by_shard[id(q)].fqn for q in group["params"]] for group in optimizer.param_groups]
     position = {name: j for j, name in enumerate(n for group in current for n in group)}
@@ -272,13 +303,12 @@ def _optimizer_state(
     for key, entry in entries:  # each read into a tensor shaped as the model's rows (or 0-dim): nothing else
         fqn, name = key.rsplit("/", 1)
         p = sharded[fqn]
+        slot = state.setdefault(position[fqn], {})  # load_state_dict() moves each tensor as the optimizer wants
         if entry.shape or (not p.global_shape and name in row_states.get(fqn, ())):
-            value = torch.empty(p.sharded.shape, dtype=entry.dtype)
-            reads.add(entry, p.first_row, p.first_row + p.local_rows, value)
+            read = reads.add(entry, p.first_row, p.first_row + p.local_rows)
+            pending.append(_Pending(slot, name, read, tuple(p.sharded.shape)))
         else:
-            value = torch.empty((), dtype=entry.dtype)
-            reads.add(entry, 0, 1, value)
-        state.setdefault(position[fqn], {})[name] = value  # load_state_dict() moves it as the optimizer wants
+            pending.append(_Pending(slot, name, reads.add(entry, 0, 1), ()))
     for fqn, values in meta.get("values", {}).items():
         if fqn in position:
             decoded = {k: _decoded(v, f"Optimizer {i}'s {k!r} of {fqn}", directory) for k, v in values.items()}

@@ -1,5 +1,5 @@
-"""Writing a safetensors file tensor by tensor, with the checksums a checkpoint records: the CRC-32 of each tensor in
-the file's own header, the SHA-256 of each file in the index."""
+"""Writing a safetensors file tensor by tensor, with the checksums a checkpoint records: the CRC-32 of each block of
+its data in the file's own header, the SHA-256 of each file in the index."""
 
 from __future__ import annotations
 
@@ -14,12 +14,8 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.format import (
-    _SAFETENSORS_DTYPES,
-    CRC32_METADATA,
-    RUNNING_CRC32_METADATA,
-    CheckpointError,
-)
+from lightning_shard.checkpoint.format import _SAFETENSORS_DTYPES, CheckpointError
+from lightning_shard.checkpoint.safetensors_header import BLOCK_BYTES, BLOCK_BYTES_METADATA, BLOCK_CRC32_METADATA
 
 
 def sha256_file(path: Path) -> str:
@@ -47,32 +43,31 @@ _WRITE_BUFFER_BYTES = 2**20
 class SafetensorsStreamWriter:
     """Write a safetensors file whose tensors arrive one at a time, so that only one is ever in memory.
 
-    The header (names, dtypes, shapes, offsets) is written first from ``specs``; ``write`` must then be
-    called once per tensor, in the order of ``specs``. With ``checksums``, the header's metadata records each
-    tensor's CRC-32 (``"crc32"``: 8 hex digits per tensor, in the order of ``specs``, which is the order of their
-    data) and, at each tensor's end, the CRC-32 of the data section from its start (``"crc32_running"``: 8 hex
-    digits per tensor, the last being the whole section's; see [Note: one checksum a file read] in ``reader.py``):
-    written as zeros first, filled in by ``close`` (the same number of bytes, so the data does not move).
+    The header (names, dtypes, shapes, offsets) is written first from ``specs``; ``write`` must then be called once
+    per tensor, in the order of ``specs``. With ``checksums``, the header's metadata records the CRC-32 of each block
+    of ``BLOCK_BYTES`` of the data section (``"crc32_blocks"``, 8 hex digits a block, after ``"crc32_block_bytes"``;
+    see [Note: every byte that lands is checked] in ``reader.py``): written as zeros first, filled in by ``close``
+    (the same number of bytes, so the data does not move).
     """
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, checksums: bool = False) -> None:
-        self._metadata = dict(metadata or {})
-        self._crcs: list[str] | None = ["0" * 8] * len(specs) if checksums else None
-        self._running = ["0" * 8] * len(specs)
-        self._running_crc = 0  # of every byte written so far
-        if self._crcs is not None:
-            self._metadata[CRC32_METADATA] = "".join(self._crcs)
-            self._metadata[RUNNING_CRC32_METADATA] = "".join(self._running)
-        self._header: dict[str, Any] = {"__metadata__": self._metadata} if self._metadata else {}
         offset = 0
         self._expected: list[tuple[str, int]] = []
+        tensors: dict[str, Any] = {}
         for name, dtype, shape in specs:
             nbytes = math.prod(shape) * dtype.itemsize
-            self._header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                                  "data_offsets": [offset, offset + nbytes]}
+            tensors[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                             "data_offsets": [offset, offset + nbytes]}
             self._expected.append((name, nbytes))
             offset += nbytes
+        self._blocks: list[int] | None = [0] * -(-offset // BLOCK_BYTES) if checksums else None
+        self._block_crc, self._written = 0, 0  # the CRC-32 of the current block so far; bytes written in all
+        self._metadata = dict(metadata or {})
+        if self._blocks is not None:  # first in the header, where a reader of many files finds them without parsing
+            self._metadata = {BLOCK_CRC32_METADATA: "0" * 8 * len(self._blocks),
+                              BLOCK_BYTES_METADATA: str(BLOCK_BYTES), **self._metadata}
+        self._header: dict[str, Any] = ({"__metadata__": self._metadata} if self._metadata else {}) | tensors
         encoded = self._encoded_header()
         self._file: BinaryIO = open(path, "wb", buffering=_WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed in close()
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
@@ -83,20 +78,25 @@ class SafetensorsStreamWriter:
         encoded = json.dumps(self._header, separators=(",", ":")).encode()
         return encoded + b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
 
-    def write(self, name: str, tensor: Tensor) -> int:
-        """Append ``tensor``'s bytes; return their CRC-32."""
+    def write(self, name: str, tensor: Tensor) -> None:
+        """Append ``tensor``'s bytes."""
         expected_name, nbytes = self._expected[self._next]
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # no copy of the bytes
         if name != expected_name or data.nbytes != nbytes:
             raise CheckpointError(f"Internal error: expected {expected_name} ({nbytes} bytes), got {name}.")
         self._file.write(data.data)
-        crc = zlib.crc32(data.data) & 0xFFFFFFFF
-        if self._crcs is not None:
-            self._crcs[self._next] = f"{crc:08x}"
-            self._running_crc = zlib.crc32(data.data, self._running_crc)
-            self._running[self._next] = f"{self._running_crc:08x}"
+        if self._blocks is not None:
+            view, at = memoryview(data.data), 0
+            while at < len(view):  # the bytes of each block they reach
+                room = BLOCK_BYTES - self._written % BLOCK_BYTES
+                part = view[at : at + room]
+                self._block_crc = zlib.crc32(part, self._block_crc)
+                self._written += len(part)
+                at += len(part)
+                if self._written % BLOCK_BYTES == 0:
+                    self._blocks[(self._written - 1) // BLOCK_BYTES] = self._block_crc
+                    self._block_crc = 0
         self._next += 1
-        return crc
 
     def close_quietly(self) -> None:
         """Close after a failure, without the completeness check."""
@@ -106,13 +106,14 @@ class SafetensorsStreamWriter:
         try:
             if self._next != len(self._expected):
                 raise CheckpointError(f"Internal error: {len(self._expected) - self._next} tensors were not written.")
-            if self._crcs is not None:
-                self._metadata[CRC32_METADATA] = "".join(self._crcs)
-                self._metadata[RUNNING_CRC32_METADATA] = "".join(self._running)
+            if self._blocks is not None:
+                if self._written % BLOCK_BYTES:  # the last block is shorter
+                    self._blocks[-1] = self._block_crc
+                self._metadata[BLOCK_CRC32_METADATA] = "".join(f"{crc:08x}" for crc in self._blocks)
+                self._header["__metadata__"] = self._metadata
                 encoded = self._encoded_header()
                 assert len(encoded) == self._header_bytes, "8 hex digits replace 8 zeros: the header keeps its size"
                 self._file.seek(8)
                 self._file.write(encoded)
         finally:
             self._file.close()
-

@@ -1,0 +1,131 @@
+"""The files of one checkpoint as a load sees them: each opened only when something is read from it, checked first.
+
+See [Note: checkpoints are untrusted] in ``format.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+from lightning_shard.checkpoint.format import CheckpointError, member_path, refuse_unplain_name
+from lightning_shard.checkpoint.safetensors_header import SafetensorsHeader, TensorTable, header_length, parse_header
+
+if TYPE_CHECKING:
+    from lightning_shard.checkpoint.storage import Location
+
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # where there is none, every name is checked by ``member_path``
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)  # never blocks on a pipe
+
+
+class CheckpointFiles:
+    """The files of one checkpoint directory as one load sees them (see [Note: checkpoints are untrusted]).
+
+    Each file is opened only when something is read from it, checked to be a regular file inside the directory
+    of the size the index records (``sizes``; ``None`` for files no index describes, such as a Hugging Face model),
+    and its safetensors header is read once and kept for the rest of the load. ``headers_read`` lists the files
+    whose headers were read, in order: what this process touched. ``checksums_in_headers``: every safetensors file
+    of the checkpoint records checksums (versions 2 and 3); a file that records none is refused.
+    """
+
+    def __init__(
+        self, directory: Location, sizes: Mapping[str, int] | None, checksums_in_headers: bool = False
+    ) -> None:
+        self.directory = directory
+        self.sizes = sizes
+        self.checksums_in_headers = checksums_in_headers
+        self.headers_read: list[str] = []
+        self.pieces_checked = 0  # pieces checked against their headers (by ``RowReads``)
+        self._headers: dict[str, SafetensorsHeader] = {}
+        self._last_table: TensorTable | None = None  # the table of the header read last: the next is often equal
+        self._links: set[str] = set()  # local files that are symlinks leading inside the directory
+
+    def open(self, name: str) -> BinaryIO:
+        """``name`` opened for reading, unbuffered, once it is known to be a regular file of its recorded size. A
+        pipe or a device is refused without blocking on it; a symlink is followed only once it is known to stay
+        inside the directory. An object at a URL: each read is one range request for exactly its bytes."""
+        if not isinstance(self.directory, Path):
+            refuse_unplain_name(self.directory, name)
+            return cast(BinaryIO, self._open_remote(name))
+        refuse_unplain_name(self.directory, name)
+        path = self.directory / name
+        fd = self._os_open(name, path)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointError(f"Checkpoint file {path} is not a regular file; refusing to read it.")
+            self._check_size(name, path, info.st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return os.fdopen(fd, "rb", buffering=0)
+
+    def _os_open(self, name: str, path: Path) -> int:
+        """``name`` opened read-only; a link only once known to stay inside the directory; a missing file named."""
+        if not _NO_FOLLOW and name not in self._links:  # no open refuses a link here: check each name once
+            member_path(cast(Path, self.directory), name)
+            self._links.add(name)
+        try:
+            return os.open(path, _READ_FLAGS if name in self._links else _READ_FLAGS | _NO_FOLLOW)
+        except FileNotFoundError:
+            raise CheckpointError(f"Checkpoint file {path} is missing.") from None
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+        member_path(cast(Path, self.directory), name)  # a symlink: refused unless it stays inside
+        self._links.add(name)
+        return os.open(path, _READ_FLAGS)
+
+    def _check_size(self, name: str, path: Any, size: int) -> None:
+        expected = self.sizes.get(name) if self.sizes is not None else size
+        if expected is None:
+            raise CheckpointError(f"Internal error: {name} is not a file of the checkpoint in {self.directory}.")
+        if size != expected:
+            raise CheckpointError(
+                f"Checkpoint file {path} has {size} bytes but the index records {expected}: it is truncated or was"
+                " modified."
+            )
+
+    def _open_remote(self, name: str) -> Any:
+        url = self.directory / name
+        try:
+            f: Any = self.directory.open(name)  # type: ignore[union-attr]
+        except FileNotFoundError:
+            raise CheckpointError(f"Checkpoint file {url} is missing.") from None
+        try:
+            self._check_size(name, url, int(f.size))
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    def check(self, name: str) -> Path | str:
+        """The path of ``name`` once it is known to be a regular file of its recorded size (nothing is read)."""
+        self.open(name).close()
+        return self.directory / name
+
+    def read_all(self, name: str) -> bytes:
+        """The whole of ``name``, checked as ``open`` checks it."""
+        with self.open(name) as f:
+            return bytes(f.read())
+
+    def header(self, name: str) -> SafetensorsHeader:
+        """The checked header of ``name``, read the first time it is asked for."""
+        header = self._headers.get(name)
+        if header is None:
+            path = self.directory / name
+            with self.open(name) as f:
+                size = os.fstat(f.fileno()).st_size if isinstance(self.directory, Path) else int(cast(Any, f).size)
+                length = header_length(f.read(8), path, size)
+                text = f.read(length)
+                while len(text) < length and (more := f.read(length - len(text))):
+                    text += more
+            header = parse_header(text, path, size, self._last_table)
+            self._headers[name] = header
+            self._last_table = header.table
+            self.headers_read.append(name)
+        return header
