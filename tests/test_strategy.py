@@ -106,3 +106,14 @@ def fit_with_swa(rank: int, world_size: int) -> str:
 def test_stochastic_weight_averaging_is_refused_on_every_rank_before_training() -> None:
     for message in run_on_ranks(fit_with_swa, 2):
         assert message.startswith("StochasticWeightAveraging does not work with ShardStrategy"), message
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_weights_only_false_is_refused_saying_no_pickle_runs(front_end: str, tmp_path: object) -> None:
+    """``weights_only=False`` asks a load to run the checkpoint's pickle; the strategy never does, so it says so
+    instead of reading as if it had been left unset."""
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    strategy = ShardStrategy() if front_end == "trainer" else FabricShardStrategy()
+    with pytest.raises(ValueError, match=r"weights_only=False asks to run the checkpoint.s pickle"):
+        strategy.load_checkpoint(str(tmp_path), weights_only=False)

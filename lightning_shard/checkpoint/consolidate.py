@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_shard.checkpoint.adapters import ADAPTERS
-from lightning_shard.checkpoint.files import CheckpointFiles
+from lightning_shard.checkpoint.files import CheckpointFiles, read_json_member
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     MODEL_PREFIX,
@@ -22,7 +22,6 @@ from lightning_shard.checkpoint.format import (
     CheckpointError,
     dtype_name,
     member_named,
-    read_json_member,
 )
 from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
 from lightning_shard.checkpoint.layout import check_piece, require_complete

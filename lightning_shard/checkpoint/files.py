@@ -6,17 +6,18 @@ See [Note: checkpoints are untrusted] in ``format.py``.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from lightning_shard.checkpoint.format import CheckpointError, member_path, refuse_unplain_name
+from lightning_shard.checkpoint.format import MAX_JSON_BYTES, CheckpointError, member_path, refuse_unplain_name
 from lightning_shard.checkpoint.safetensors_header import SafetensorsHeader, TensorTable, header_length, parse_header
 
 if TYPE_CHECKING:
-    from lightning_shard.checkpoint.storage import Location
+    from lightning_shard.checkpoint.storage import Location, MemberURL
 
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # where there is none, every name is checked by ``member_path``
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)  # never blocks on a pipe
@@ -129,3 +130,43 @@ class CheckpointFiles:
             self._last_table = header.table
             self.headers_read.append(name)
         return header
+
+
+def is_remote(directory: Location) -> bool:
+    """Whether ``directory`` is a ``RemoteDirectory`` (a URL) rather than a local ``Path``."""
+    return not isinstance(directory, Path)
+
+
+def read_json_member(directory: Location, name: str) -> Any:
+    """The JSON file ``name`` of a checkpoint directory, refusing what is not a regular file inside it (a link out,
+    a device, a pipe: nothing that could hang or never end) and anything above ``MAX_JSON_BYTES``."""
+    limit = MAX_JSON_BYTES
+    path: Path | MemberURL
+    if not isinstance(directory, Path):  # an object at a URL (no links, devices or pipes there)
+        refuse_unplain_name(directory, name)
+        path, data = directory / name, _read_remote_member(directory, name, limit)
+    else:
+        path = member_path(directory, name)
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint.")
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path} is not a regular file (a directory, a device or a pipe); refusing to read it."
+            )
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path} is larger than {limit} bytes, which no checkpoint writes; not read.")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, absurd nesting
+        raise CheckpointError(f"{path} is not valid JSON ({type(err).__name__}: {err}).") from None
+
+
+def _read_remote_member(directory: Any, name: str, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of the object ``name`` of a ``RemoteDirectory``."""
+    try:
+        with directory.open(name) as f:
+            return bytes(f.read(min(int(f.size), limit + 1)))
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory / name} is missing: {directory} is not a complete checkpoint.") from None

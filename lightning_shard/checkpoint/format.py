@@ -22,13 +22,10 @@ import re
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from lightning_shard.checkpoint.storage import Location, MemberURL
 
 FORMAT_NAME = "lightning-shard-checkpoint"
 FORMAT_VERSION = 3  # what a save writes: its safetensors files checksum blocks of their data
@@ -163,12 +160,7 @@ def is_plain_name(name: Any) -> TypeGuard[str]:
     )
 
 
-def is_remote(directory: Location) -> bool:
-    """Whether ``directory`` is a ``RemoteDirectory`` (a URL) rather than a local ``Path``."""
-    return not isinstance(directory, Path)
-
-
-def refuse_unplain_name(directory: Location, name: Any) -> None:
+def refuse_unplain_name(directory: object, name: Any) -> None:
     if not is_plain_name(name):
         raise CheckpointError(
             f"The checkpoint in {directory} refers to the file {name!r}, which is not a plain file name inside the"
@@ -189,52 +181,17 @@ def member_path(directory: Path, name: Any) -> Path:
     return path
 
 
-def read_json_member(directory: Location, name: str) -> Any:
-    """The JSON file ``name`` of a checkpoint directory, refusing what is not a regular file inside it (a link out,
-    a device, a pipe: nothing that could hang or never end) and anything above ``MAX_JSON_BYTES``."""
-    limit = MAX_JSON_BYTES
-    path: Path | MemberURL
-    if not isinstance(directory, Path):  # an object at a URL (no links, devices or pipes there)
-        refuse_unplain_name(directory, name)
-        path, data = directory / name, _read_remote_member(directory, name, limit)
-    else:
-        path = member_path(directory, name)
-        if not path.exists():
-            raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint.")
-        if not path.is_file():
-            raise CheckpointError(
-                f"{path} is not a regular file (a directory, a device or a pipe); refusing to read it."
-            )
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    if len(data) > limit:
-        raise CheckpointError(f"{path} is larger than {limit} bytes, which no checkpoint writes; not read.")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, absurd nesting
-        raise CheckpointError(f"{path} is not valid JSON ({type(err).__name__}: {err}).") from None
-
-
-def _remote_size(f: Any) -> int:
-    """The size of an fsspec file, known from the request that opened it."""
-    return int(f.size)
-
-
-def _read_remote_member(directory: Any, name: str, limit: int) -> bytes:
-    """Up to ``limit + 1`` bytes of the object ``name`` of a ``RemoteDirectory``."""
-    try:
-        with directory.open(name) as f:
-            return bytes(f.read(min(int(f.size), limit + 1)))
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory / name} is missing: {directory} is not a complete checkpoint.") from None
-
-
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
-    """A small local JSON file that must hold an object (a ``config.json``, an ``adapter_config.json``); ``what``
-    names it in the ``CheckpointError`` a missing, unreadable or non-object file raises."""
+    """A small local JSON file that must hold an object (a ``config.json``, an ``adapter_config.json``), of at most
+    ``MAX_JSON_BYTES``; ``what`` names it in the ``CheckpointError`` a missing, unreadable, oversized or non-object
+    file raises."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        with open(path, "rb") as f:
+            text = f.read(MAX_JSON_BYTES + 1)
+        if len(text) > MAX_JSON_BYTES:
+            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
+        data = json.loads(text)
+    except (OSError, ValueError, RecursionError) as err:
         raise CheckpointError(f"{what} {path} is not readable JSON ({err}).") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{what} {path} is not a JSON object; a {path.name} is one.")

@@ -19,7 +19,7 @@ import torch
 
 from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint.adapters import ADAPTERS, check_adapters_record
-from lightning_shard.checkpoint.files import CheckpointFiles
+from lightning_shard.checkpoint.files import CheckpointFiles, read_json_member
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -31,7 +31,6 @@ from lightning_shard.checkpoint.format import (
     dtype_name,
     is_count,
     is_shape,
-    read_json_member,
     refuse_unplain_name,
 )
 from lightning_shard.checkpoint.layout import (

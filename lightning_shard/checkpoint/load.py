@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
-from lightning_shard.checkpoint.files import CheckpointFiles
+from lightning_shard.checkpoint.files import CheckpointFiles, read_json_member
 from lightning_shard.checkpoint.format import (
     INDEX_FILE,
     MAX_JSON_BYTES,
@@ -31,7 +31,6 @@ from lightning_shard.checkpoint.format import (
     check_loadable,
     member_named,
     member_path,
-    read_json_member,
     submodule_prefix,
 )
 from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties, read_index

@@ -151,10 +151,6 @@ class RemoteDirectory:
     def read_bytes(self, name: str) -> bytes:
         return bytes(self.fs.cat_file(self.member(name)))
 
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``name``, in one range request."""
-        return bytes(self.fs.cat_file(self.member(name), start=start, end=end))
-
     def open(self, name: str) -> BinaryIO:
         """``name`` opened for reading: seeks are free, each read fetches only the bytes it asks for."""
         return self.fs.open(self.member(name), "rb", cache_type="none")
@@ -170,10 +166,6 @@ class RemoteDirectory:
     def remove(self, names: list[str]) -> None:
         if names:
             self.fs.rm([self.member(n) for n in names])
-
-    def remove_all(self) -> None:
-        if self.fs.exists(self.root):
-            self.fs.rm(self.root, recursive=True)
 
     def invalidate(self) -> None:
         """Forget listings the file system cached (another process may have written since)."""

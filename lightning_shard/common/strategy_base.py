@@ -84,3 +84,16 @@ class ShardStrategyMixin(ShardOptionsMixin):
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         return broadcast_object(obj, src)
+
+
+def refuse_unpickling(weights_only: bool | None) -> None:
+    """A checkpoint load of ``ShardStrategy`` never runs a pickle (see [Note: no pickle runs]): ``weights_only=None``
+    and ``True`` read alike; ``False``, a request to run a checkpoint's pickle, cannot be honoured and is refused."""
+    if weights_only is False:
+        raise ValueError(
+            "weights_only=False asks to run the checkpoint's pickle, which ShardStrategy never does: its checkpoints"
+            " hold no pickle, and a Lightning .ckpt is read with torch.load(weights_only=True) (tensors, plain"
+            " containers and the types Lightning writes). Leave weights_only unset; to load a .ckpt holding other"
+            " objects, load it with torch.load in the process that trusts it and save the state dict again."
+        )
+

@@ -3,14 +3,21 @@ unit its gradients are complete, and one that makes backward reach a unit this r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-if TYPE_CHECKING:
-    from lightning_shard.engine.unit import ShardUnit
+from lightning_shard.engine.param_shard import ShardedParam
+
+
+class BackwardUnit(Protocol):
+    """What the autograd functions use of their unit (``lightning_shard.engine.unit.ShardUnit``)."""
+
+    trainable: list[ShardedParam]
+
+    def post_backward(self) -> None: ...
 
 
 class ReachedByBackward(torch.autograd.Function):
@@ -37,7 +44,7 @@ class ReachedByBackward(torch.autograd.Function):
         return (None, *grads)
 
     @staticmethod
-    def wrap_outputs(unit: ShardUnit, output: Any) -> tuple[Any, list[Tensor]]:
+    def wrap_outputs(unit: BackwardUnit, output: Any) -> tuple[Any, list[Tensor]]:
         flat, spec = tree_flatten(output)
         positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.is_floating_point()]
         if not positions:
@@ -52,7 +59,7 @@ class RegisterPostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs once the unit's gradients are all computed."""
 
     @staticmethod
-    def forward(ctx: Any, unit: ShardUnit, *inputs: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, unit: BackwardUnit, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.unit = unit
         return inputs
 
@@ -62,7 +69,7 @@ class RegisterPostBackward(torch.autograd.Function):
         return (None, *grads)
 
     @staticmethod
-    def wrap_inputs(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def wrap_inputs(unit: BackwardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
         if not positions:

@@ -16,19 +16,39 @@ buffer from the pool (see [Note: the buffer pool]) that is given back once the r
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_shard.engine import collectives
+from lightning_shard.engine.buffer_pool import BufferPool
+from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.param_shard import ShardedParam
 
-if TYPE_CHECKING:
-    from lightning_shard.engine.unit import ShardUnit
+
+class ReducedUnit(Protocol):
+    """What a reduction reads and writes of the unit it reduces (``lightning_shard.engine.unit.ShardUnit``)."""
+
+    pool: BufferPool
+    device: torch.device
+    shard_device: torch.device
+    mesh: ShardMesh
+    dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    trainable: list[ShardedParam]
+    grad_sharded_numel: int
+    landing_in_flight: bool
+
+    @property
+    def offloaded(self) -> bool: ...
+
+    def grad_landing(self) -> Tensor: ...
+
+    def grad_views(self) -> list[Tensor]: ...
 
 
-def start_reduction(unit: ShardUnit, async_op: bool) -> collectives.Pending:
+def start_reduction(unit: ReducedUnit, async_op: bool) -> collectives.Pending:
     """Issue ``unit``'s gradient reduction: the reduce-scatter (or, on gloo, the point-to-point exchange), then the
     replica all-reduce; ``wait()`` on the result adds this rank's averaged rows to the shards' ``.grad``."""
     mesh = unit.mesh
@@ -77,7 +97,7 @@ def start_reduction(unit: ShardUnit, async_op: bool) -> collectives.Pending:
         reduction = collectives.reduce_scatter_sum(chunked.view(-1), mesh.shard_group, async_op, divide_by, out=out)
     return collectives.Pending(None, lambda: _finish(unit, _result(reduction), used_here, blocks))
 
-def _start_exchange(unit: ShardUnit, grads: list[Tensor | None]) -> collectives.Pending:
+def _start_exchange(unit: ReducedUnit, grads: list[Tensor | None]) -> collectives.Pending:
     """The reduce-scatter as a point-to-point exchange (see [Note: the fast path per backend]): every rank
     sends each peer that peer's rows of every gradient, straight from the gradients (no rank-major copy),
     and sums what it receives for its own rows. The result has the layout ``start_reduction`` gives."""
@@ -153,7 +173,7 @@ def _start_exchange(unit: ShardUnit, grads: list[Tensor | None]) -> collectives.
 
     return collectives.Pending(None, lambda: _finish(unit, summed(), used_here, blocks))
 
-def _keep_local_grads(unit: ShardUnit, grads: list[Tensor | None]) -> None:
+def _keep_local_grads(unit: ReducedUnit, grads: list[Tensor | None]) -> None:
     """One rank: each gradient becomes its shard's gradient (no copy unless the dtype or device differs);
     parameters without a gradient keep ``None``."""
     for p, g in zip(unit.trainable, grads):
@@ -165,7 +185,7 @@ def _keep_local_grads(unit: ShardUnit, grads: list[Tensor | None]) -> None:
         else:
             p.sharded.grad.add_(grad)
 
-def _direct_landing(unit: ShardUnit) -> Tensor | None:
+def _direct_landing(unit: ReducedUnit) -> Tensor | None:
     """The unit's ``sharded_grads`` when the reduction can land in it as it is: no shard has a gradient (after
     ``zero_grad()``), no earlier reduction of the unit is still landing there (a unit run in several forwards
     before one backward reduces once per forward), and the reduce dtype and device are the shards'. ``None``
@@ -178,7 +198,7 @@ def _direct_landing(unit: ShardUnit) -> Tensor | None:
     return unit.grad_landing()
 
 
-def _finish(unit: ShardUnit, reduced: Tensor, used_here: list[bool], blocks: list[Tensor]) -> None:
+def _finish(unit: ReducedUnit, reduced: Tensor, used_here: list[bool], blocks: list[Tensor]) -> None:
     """Put this rank's reduced rows (``reduced``: the rows, then the "was used" flags) into the shards' ``.grad``
     and give the reduction's pool ``blocks`` back."""
     if unit.mesh.replicate_group is not None:

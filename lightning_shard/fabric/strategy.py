@@ -43,7 +43,7 @@ from lightning_shard.common.precision import translate_precision
 from lightning_shard.common.preemption import PreemptionWatcher, preemption_signals
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
-from lightning_shard.common.strategy_base import ShardStrategyMixin
+from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_unpickling
 from lightning_shard.engine.clipping import clip_grads_with_norm_, global_grad_norm
 from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mesh import ShardMesh
@@ -386,7 +386,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     ) -> dict[str, Any]:
         """Fill ``state`` in place from a checkpoint directory (any world size, Fabric or Trainer written), a
         Lightning ``.ckpt`` or a DCP directory of another strategy; a module alone (``fabric.load_raw``) also takes a
-        plain ``.safetensors`` file. Returns what ``state`` did not ask for. Collective. Never runs a pickle."""
+        plain ``.safetensors`` file. Returns what ``state`` did not ask for. Collective. Never runs a pickle
+        (``weights_only=False`` is refused)."""
+        refuse_unpickling(weights_only)
         self._saver.wait()  # a background save of this very path must have finished
         url = self.broadcast(os.fspath(path))
         directory = location(url, self._storage_options if is_url(url) else None)

@@ -38,7 +38,7 @@ from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
-from lightning_shard.common.strategy_base import ShardStrategyMixin
+from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_unpickling
 from lightning_shard.engine.clipping import clip_grad_norm_
 from lightning_shard.engine.compile import refuse_compiled_root
 from lightning_shard.engine.cpu_allocator import CpuAllocator
@@ -456,7 +456,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Read the trainer state of a checkpoint directory, a Lightning ``.ckpt`` or a DCP directory (model and
         optimizer tensors are read into the shards later, by ``load_model_state_dict`` and
-        ``load_optimizer_state_dict``). Never runs a pickle: see [Note: no pickle runs]."""
+        ``load_optimizer_state_dict``). Never runs a pickle: see [Note: no pickle runs]; ``weights_only=False`` is
+        refused."""
+        refuse_unpickling(weights_only)
         path = self.broadcast(os.fspath(checkpoint_path))
         return read_trainer_checkpoint(location(path, self._url_options(path)))
 
