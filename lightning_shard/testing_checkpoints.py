@@ -30,16 +30,15 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.commit import commit, refuse_to_replace_other_data
 from lightning_shard.checkpoint.files import CheckpointFiles
 from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError, shard_file_name
 from lightning_shard.checkpoint.index import FileRecord, SavedTensor, build_index, encode_index
 from lightning_shard.checkpoint.layout import shard_rows
 from lightning_shard.checkpoint.save import (
     StateDictType,
-    commit,
     index_head,
     optimizer_plan,
-    refuse_to_replace_other_data,
     saved_tensors,
     write_shard_file,
     write_trainer_state,

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.commit import commit, refuse_to_replace_other_data
 from lightning_shard.checkpoint.foreign import (
     ForeignCheckpoint,
     ForeignOptimizer,
@@ -36,13 +37,7 @@ from lightning_shard.checkpoint.foreign import (
 from lightning_shard.checkpoint.foreign_load import per_element_states
 from lightning_shard.checkpoint.format import FORMAT_NAME, MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError, dtype_name
 from lightning_shard.checkpoint.index import FileRecord, SavedTensor, build_index, encode_index
-from lightning_shard.checkpoint.save import (
-    StateDictType,
-    commit,
-    index_head,
-    refuse_to_replace_other_data,
-    write_trainer_state,
-)
+from lightning_shard.checkpoint.save import StateDictType, index_head, write_trainer_state
 from lightning_shard.checkpoint.sources import CheckpointKind, detect, read_foreign
 from lightning_shard.checkpoint.storage import local_only
 from lightning_shard.checkpoint.trainer_state import to_json_tree

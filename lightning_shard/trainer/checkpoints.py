@@ -15,8 +15,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.agreement import agree
+from lightning_shard.checkpoint.commit import is_save_object
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.save import is_save_object
 from lightning_shard.checkpoint.sources import CheckpointSource, open_checkpoint
 from lightning_shard.checkpoint.storage import Location
 from lightning_shard.common.checkpoint import as_trainer_checkpoint
