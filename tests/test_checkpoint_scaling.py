@@ -254,6 +254,36 @@ def test_any_rows_of_a_split_tensor_read_exactly_as_saved(
             assert torch.equal(value, state[name]), name
 
 
+def test_large_pieces_read_in_place_exactly_as_saved_and_a_flipped_byte_in_one_is_refused(tmp_path: Path) -> None:
+    """Pieces of at least 64 KiB are read straight into their targets, the bytes of the blocks around them aside:
+    every [start, stop) of such a weight reads back exactly, beside a small bias read through a window, and a byte
+    flipped in a piece fails exactly the reads whose blocks hold it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4200, 23))  # 4 rows a shard: 67,200-byte pieces, then the bias's
+    ckpt = simulate_save(tmp_path / "ckpt", model, 7)
+    index, state = read_index(ckpt), model.state_dict()
+    weight = index["tensors"]["model/0.weight"]
+    for start in range(24):
+        for stop in range(start, 24):
+            reads = RowReads()
+            reads.add(weight, start, stop)
+            reads.add(index["tensors"]["model/0.bias"], start, stop)
+            got_weight, got_bias = reads.run()
+            assert torch.equal(got_weight, state["0.weight"][start:stop]), (start, stop)
+            assert torch.equal(got_bias, state["0.bias"][start:stop]), (start, stop)
+    shard = ckpt / shard_file_name(2, 7)  # rows 8-11
+    header = read_index(ckpt)["tensors"]["model/0.weight"].files.header(shard.name)
+    assert header.entries["model/0.weight"].begin == 16 and header.table.data_bytes == 16 + 4 * 4200 * 4
+    _flip(shard, header.data_start + 66000)  # in row 11 (bytes [50416, 67216)), in the second block
+    weight = read_index(ckpt)["tensors"]["model/0.weight"]
+    for start, stop, refused in ((0, 23, True), (8, 9, False), (10, 12, True), (12, 23, False), (0, 8, False)):
+        if refused:
+            with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: bytes \[65536, 67216\)"):
+                read_rows(weight, start, stop)
+        else:
+            assert torch.equal(read_rows(weight, start, stop), state["0.weight"][start:stop]), (start, stop)
+
+
 def test_two_targets_of_the_same_rows_in_one_read_each_get_them(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 64))

@@ -28,11 +28,12 @@ target in one numpy copy. A rank's Python work grows with its groups and tensors
 
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, BinaryIO, NamedTuple, NoReturn
+from typing import Any, BinaryIO, NamedTuple, NoReturn, cast
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ from lightning_shard.checkpoint.layout import Piece, RowSplit, StoredTensor, che
 from lightning_shard.checkpoint.safetensors_header import SafetensorsHeader, TensorTable
 
 _WINDOW_BYTES = 8 * 2**20  # read at once (files x bytes); more only where one piece of a version 1-2 file is larger
+_IN_PLACE_BYTES = 64 * 2**10  # pieces at least this large are read straight into their targets
 
 
 class FileHandles:
@@ -60,18 +62,20 @@ class FileHandles:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_exactly(self, files: CheckpointFiles, name: str, offset: int, buffer: Any) -> None:
-        """Fill ``buffer`` with ``name``'s bytes from ``offset``; a file that ends first is refused as truncated."""
+    def read_exactly(self, files: CheckpointFiles, name: str, offset: int, *buffers: Any) -> None:
+        """Fill ``buffers`` in turn with ``name``'s bytes from ``offset``; a file that ends first is refused as
+        truncated."""
         handle = self._get(files, name)
         handle.seek(offset)
-        view, done = memoryview(buffer).cast("B"), 0
-        while done < len(view):
-            n = handle.readinto(view[done:])  # type: ignore[attr-defined]
-            if not n:
-                raise CheckpointError(
-                    f"Checkpoint file {files.directory / name} is shorter than its header says: it is truncated."
-                )
-            done += n
+        for buffer in buffers:
+            view, done = memoryview(buffer).cast("B"), 0
+            while done < len(view):
+                n = handle.readinto(view[done:])  # type: ignore[attr-defined]
+                if not n:
+                    raise CheckpointError(
+                        f"Checkpoint file {files.directory / name} is shorter than its header says: it is truncated."
+                    )
+                done += n
 
     def _get(self, files: CheckpointFiles, name: str) -> BinaryIO:
         slot = (id(files), name)
@@ -151,9 +155,10 @@ class RowReads:
                    for t in self._targets]  # allocated only now: every piece has been checked
         arrays = [r.view(torch.uint8).numpy() for r in results]
         pool = handles if handles is not None else FileHandles()
+        scratch = np.empty(_WINDOW_BYTES if runs else 0, dtype=np.uint8)  # one buffer for every window
         try:
             for g, group_runs in runs.items():
-                _read_group(groups[g], group_runs, arrays, pool)
+                _read_group(groups[g], group_runs, arrays, pool, scratch)
         finally:
             if handles is None:
                 pool.close()
@@ -294,29 +299,104 @@ def _add_run(
 # Pass 2 #
 
 
-def _read_group(group: _Group, runs: list[_Run], arrays: list[Any], pool: FileHandles) -> None:
+def _read_group(group: _Group, runs: list[_Run], arrays: list[Any], pool: FileHandles, scratch: Any) -> None:
     """The runs of ``group``: runs over the same files whose extents touch are read together, in chunks that end on
-    block boundaries, a window of files at a time; each file's chunk checked, then each run's bytes copied out."""
-    segments: list[list[_Run]] = []
-    for run in sorted(runs, key=lambda r: (r.first, r.last, r.begin)):
-        last = segments[-1] if segments else None
-        if last and (last[0].first, last[0].last) == (run.first, run.last) and run.begin <= max(r.end for r in last):
-            last.append(run)
+    block boundaries, a window of files at a time (in ``scratch``, unless one file's chunk is larger); each file's
+    chunk checked, then each run's bytes in it copied out."""
+    segments: list[tuple[list[_Run], int]] = []  # runs sorted by where they start, and where the last one ends
+    for run in sorted(runs, key=lambda r: (r.first, r.last, r.hi - r.lo >= _IN_PLACE_BYTES, r.begin)):
+        if segments and _same_files(segments[-1][0][0], run) and run.begin <= segments[-1][1]:
+            segments[-1][0].append(run)
+            segments[-1] = (segments[-1][0], max(segments[-1][1], run.end))
         else:
-            segments.append([run])
-    for segment in segments:
-        begin, end = segment[0].begin, max(r.end for r in segment)
-        for lo, hi in _chunks(begin, end, _unit(group, segment)):
-            rows = max(1, _WINDOW_BYTES // max(1, hi - lo))
-            for w0 in range(segment[0].first, segment[0].last + 1, rows):
-                w1 = min(segment[0].last, w0 + rows - 1)
-                window = np.empty((w1 - w0 + 1, hi - lo), dtype=np.uint8)
+            segments.append(([run], run.end))
+    for segment, end in segments:
+        if segment[0].hi - segment[0].lo >= _IN_PLACE_BYTES and _apart(segment):
+            for position in range(segment[0].first, segment[0].last + 1):
+                _read_in_place(group, position, segment, end, arrays, pool, scratch)
+            continue
+        first, last, done = segment[0].first, segment[0].last, 0
+        starts = [run.begin for run in segment]
+        for lo, hi in _chunks(segment[0].begin, end, _unit(group, segment)):
+            while segment[done].end <= lo:  # runs sorted by start: those wholly before this chunk are done
+                done += 1
+            inside = [run for run in segment[done : bisect.bisect_left(starts, hi)] if run.hi > lo and run.lo < hi]
+            rows = max(1, len(scratch) // (hi - lo))
+            for w0 in range(first, last + 1, rows):
+                w1 = min(last, w0 + rows - 1)
+                need = (w1 - w0 + 1) * (hi - lo)
+                window = (scratch[:need] if need <= len(scratch) else np.empty(need, np.uint8)).reshape(w1 - w0 + 1, -1)
                 for j in range(w1 - w0 + 1):
                     header = group.headers[w0 + j]
                     pool.read_exactly(group.files, group.names[w0 + j], header.data_start + lo, window[j])
                     _check(group, w0 + j, segment, lo, window[j])
-                for run in segment:
+                for run in inside:
                     _copy(run, w0, w1, lo, hi, window, arrays[run.target])
+
+
+def _same_files(run: _Run, other: _Run) -> bool:
+    """Whether two runs read the same files and are both read in place, or both through windows."""
+    return (run.first, run.last, run.hi - run.lo >= _IN_PLACE_BYTES) == (
+        other.first, other.last, other.hi - other.lo >= _IN_PLACE_BYTES)
+
+
+def _apart(segment: list[_Run]) -> bool:
+    """Whether no two runs of ``segment`` (sorted by start) read the same bytes (two targets of the same rows)."""
+    return all(a.hi <= b.lo for a, b in zip(segment, segment[1:]))
+
+
+def _read_in_place(
+    group: _Group, position: int, segment: list[_Run], end: int, arrays: list[Any], pool: FileHandles, scratch: Any,
+) -> None:
+    """The bytes of one file that ``segment``'s runs need, read straight into their targets, in order, with the bytes
+    around and between them that the checksums also cover into ``scratch``; then every block (or piece) checked on
+    those parts, before anything is used (see [Note: every byte that lands is checked])."""
+    parts: list[tuple[int, Any]] = []  # (where in the data section, the memory its bytes go to)
+    at, spare = segment[0].begin, memoryview(cast(Any, scratch))
+
+    def gap(n: int) -> Any:  # bytes the checksums cover but no run needs: read into spare memory, not kept
+        nonlocal spare
+        if len(spare) < n:
+            spare = memoryview(cast(Any, np.empty(max(len(scratch), n), np.uint8)))
+        view, spare = spare[:n], spare[n:]
+        return view
+
+    for run in segment:
+        if run.lo > at:
+            parts.append((at, gap(run.lo - at)))
+        n = run.hi - run.lo
+        start = run.at + (position - run.first) * n
+        parts.append((run.lo, memoryview(arrays[run.target])[start : start + n]))
+        at = run.hi
+    if end > at:
+        parts.append((at, gap(end - at)))
+    pool.read_exactly(group.files, group.names[position], group.headers[position].data_start + segment[0].begin,
+                      *(view for _, view in parts))
+    k = 0  # the first part not wholly before the span checked
+    for lo, hi, expected in _checksums(group, position, segment, segment[0].begin, end):
+        while parts[k][0] + len(parts[k][1]) <= lo:
+            k += 1
+        crc, j = 0, k
+        while j < len(parts) and parts[j][0] < hi:
+            where, view = parts[j]
+            crc = zlib.crc32(view[max(lo, where) - where : min(hi, where + len(view)) - where], crc)
+            j += 1
+        if expected is not None and crc != expected:
+            _corrupted(group, position, lo, hi)
+
+
+def _checksums(
+    group: _Group, position: int, segment: list[_Run], lo: int, hi: int
+) -> list[tuple[int, int, int | None]]:
+    """The checksummed spans of bytes ``[lo, hi)`` of a file of ``group`` (whose ends are span ends), each with its
+    CRC-32: its blocks, or the pieces of ``segment`` (versions 1-2; ``None``: a file that records none)."""
+    header = group.headers[position]
+    size = group.table.block_bytes
+    if header.blocks is not None and size is not None:
+        data_bytes = group.table.data_bytes
+        return [(at, min(at + size, data_bytes), header.blocks.at(at // size)) for at in range(lo, hi, size)]
+    return [(run.begin, run.end, run.crc32 if run.crc32 is not None else header.tensor_crc32(run.key))
+            for run in segment]
 
 
 def _unit(group: _Group, segment: list[_Run]) -> int | None:
@@ -340,17 +420,9 @@ def _chunks(begin: int, end: int, unit: int | None) -> list[tuple[int, int]]:
 def _check(group: _Group, position: int, segment: list[_Run], lo: int, data: Any) -> None:
     """Check bytes ``[lo, lo + len(data))`` of the data section of a file of ``group`` against its checksums: each
     block they hold (they start and end on block boundaries), or each piece of ``segment``."""
-    header = group.headers[position]
-    if header.blocks is not None:
-        size = group.table.block_bytes or 0
-        for k, at in enumerate(range(0, len(data), size), start=lo // size):
-            if zlib.crc32(data[at : at + size]) != header.blocks.at(k):
-                _corrupted(group, position, lo + at, lo + min(at + size, len(data)))
-        return
-    for run in segment:
-        expected = run.crc32 if run.crc32 is not None else header.tensor_crc32(run.key)
-        if expected is not None and zlib.crc32(data[run.begin - lo : run.end - lo]) != expected:
-            _corrupted(group, position, run.begin, run.end)
+    for a, b, expected in _checksums(group, position, segment, lo, lo + len(data)):
+        if expected is not None and zlib.crc32(data[a - lo : b - lo]) != expected:
+            _corrupted(group, position, a, b)
 
 
 def _copy(run: _Run, w0: int, w1: int, lo: int, hi: int, window: Any, target: Any) -> None:
