@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.files import CheckpointFiles
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.layout import Piece, RowSplit, StoredTensor, check_piece, rows_per_shard
-from lightning_shard.checkpoint.safetensors_header import SafetensorsHeader, TensorTable
+from lightning_shard.checkpoint.format.safetensors_header import SafetensorsHeader, TensorTable
+from lightning_shard.checkpoint.io.files import CheckpointFiles
+from lightning_shard.checkpoint.io.layout import Piece, RowSplit, StoredTensor, check_piece, rows_per_shard
 
 _WINDOW_BYTES = 8 * 2**20  # read at once (files x bytes); more only where one piece of a version 1-2 file is larger
 
