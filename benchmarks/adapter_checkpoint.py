@@ -34,7 +34,7 @@ def _worker(rank: int, repeats: int, root: str, out: Any) -> None:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from lightning_shard.checkpoint import save_checkpoint
-    from lightning_shard.checkpoint.selection import ModelSelection, SavedParameters
+    from lightning_shard.checkpoint.io.selection import ModelSelection, SavedParameters
     from lightning_shard.engine import shard_model
 
     torch.manual_seed(0)

@@ -8,11 +8,11 @@ Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_shard.checkpoint.consolidate import CheckpointSummary, consolidate, inspect
-from lightning_shard.checkpoint.export import ExportResult, export_hf, export_peft
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.lightning_export import LightningExport, export_lightning
-from lightning_shard.checkpoint.load import LoadResult, load_safetensors_into
+from lightning_shard.checkpoint.load.load import LoadResult, load_safetensors_into
+from lightning_shard.checkpoint.tools.consolidate import CheckpointSummary, consolidate, inspect
+from lightning_shard.checkpoint.tools.export import ExportResult, export_hf, export_peft
+from lightning_shard.checkpoint.tools.lightning_export import LightningExport, export_lightning
 from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
 from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
 from lightning_shard.engine.full_params import summon_full_params

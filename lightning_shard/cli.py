@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return _estimate(args)
-    from lightning_shard.checkpoint.consolidate import consolidate, inspect
+    from lightning_shard.checkpoint.tools.consolidate import consolidate, inspect
 
     try:
         if args.command == "export":
@@ -110,7 +110,7 @@ def _given(args: argparse.Namespace, *flags: str) -> list[str]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.export import export_hf
+    from lightning_shard.checkpoint.tools.export import export_hf
 
     if args.format == "dcp":
         return _export_dcp(args)
@@ -134,7 +134,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _export_peft(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.export import export_peft
+    from lightning_shard.checkpoint.tools.export import export_peft
 
     misplaced = _given(args, "--config", "--base", "--max-shard-size")
     if misplaced:
@@ -148,7 +148,7 @@ def _export_peft(args: argparse.Namespace) -> int:
 
 
 def _export_lightning(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.lightning_export import export_lightning
+    from lightning_shard.checkpoint.tools.lightning_export import export_lightning
 
     given = _given(args, *_EXPORT_OPTION_DEFAULTS)
     if given:
@@ -161,7 +161,7 @@ def _export_lightning(args: argparse.Namespace) -> int:
 
 
 def _export_dcp(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.dcp_export import export_dcp
+    from lightning_shard.checkpoint.tools.dcp_export import export_dcp
 
     hf_only = _given(args, "--prefix", "--dtype", "--config", "--max-shard-size", "--weights", "--adapter-config",
                      "--base")
@@ -178,7 +178,7 @@ def _export_dcp(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.convert import convert
+    from lightning_shard.checkpoint.foreign.convert import convert
 
     module = None
     if args.module is not None:

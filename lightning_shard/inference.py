@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 import lightning as L
 import torch
 
-from lightning_shard.checkpoint.averaged import Weights, weights_prefix
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.index import iter_index_tensors, model_ties
-from lightning_shard.checkpoint.load import load_trainer_state
-from lightning_shard.checkpoint.reader import read_tensor
-from lightning_shard.checkpoint.storage import local_only
+from lightning_shard.checkpoint.io.averaged import Weights, weights_prefix
+from lightning_shard.checkpoint.io.index import iter_index_tensors, model_ties
+from lightning_shard.checkpoint.io.reader import read_tensor
+from lightning_shard.checkpoint.io.storage import local_only
+from lightning_shard.checkpoint.load.load import load_trainer_state
 
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
 MapLocation = str | torch.device | dict[str, str] | Callable[[Any, str], Any] | None

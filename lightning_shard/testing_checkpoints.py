@@ -30,12 +30,13 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.commit import commit, refuse_to_replace_other_data
-from lightning_shard.checkpoint.files import CheckpointFiles
 from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError, shard_file_name
-from lightning_shard.checkpoint.index import FileRecord, SavedTensor, build_index, encode_index
-from lightning_shard.checkpoint.layout import shard_rows
-from lightning_shard.checkpoint.save import (
+from lightning_shard.checkpoint.format.trainer_state import to_json_tree
+from lightning_shard.checkpoint.io.files import CheckpointFiles
+from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_index, encode_index
+from lightning_shard.checkpoint.io.layout import shard_rows
+from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
+from lightning_shard.checkpoint.save.save import (
     StateDictType,
     index_head,
     optimizer_plan,
@@ -43,7 +44,6 @@ from lightning_shard.checkpoint.save import (
     write_shard_file,
     write_trainer_state,
 )
-from lightning_shard.checkpoint.trainer_state import to_json_tree
 from lightning_shard.engine.policies import ShardingStrategy
 
 _Local = list[tuple[str, Tensor, tuple[int, int] | None]]

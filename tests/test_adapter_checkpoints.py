@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from lightning_shard import GlobalBatchLoader, ShardStrategy, load_safetensors_into
-from lightning_shard.checkpoint.index import read_index
+from lightning_shard.checkpoint.io.index import read_index
 from lightning_shard.cli import main
 from lightning_shard.testing import RankFailure, run_on_ranks
 from tests.test_export import PROBE, gpt2_config

@@ -509,8 +509,8 @@ def test_resume_on_every_rank_equals_the_uninterrupted_run(interrupted: dict[str
 
 def test_checkpoints_hold_rank_0s_buffers(interrupted: dict[str, Any]) -> None:
     """DDP checkpoints hold rank 0's module state; so do both layouts here (read back through safetensors)."""
-    from lightning_shard.checkpoint.index import iter_index_tensors, read_index
-    from lightning_shard.checkpoint.reader import read_tensor
+    from lightning_shard.checkpoint.io.index import iter_index_tensors, read_index
+    from lightning_shard.checkpoint.io.reader import read_tensor
 
     for layout, run in interrupted["runs"].items():
         directory = interrupted["root"] / layout / "epoch=0.ckpt"

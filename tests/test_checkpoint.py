@@ -201,7 +201,7 @@ def test_another_models_checkpoint_is_named_so_without_suggesting_strict_loading
 
 def failing_save(rank: int, world_size: int, ckpt_dir: str) -> str:
     """Save once, then make rank 1 fail while writing its shard of a second save to the same path."""
-    from lightning_shard.checkpoint import writer as checkpoint_format
+    from lightning_shard.checkpoint.io import writer as checkpoint_format
 
     result = fit(rank, world_size, ckpt_dir, 1)
     del result
@@ -402,7 +402,7 @@ def save_after(rank: int, world_size: int, ckpt_dir: str, breakage: str) -> str:
     import lightning as L
 
     from lightning_shard import ShardStrategy
-    from lightning_shard.checkpoint import save as checkpoint_save
+    from lightning_shard.checkpoint.save import save as checkpoint_save
     from tests.models import LitModel, loader
 
     L.seed_everything(1)
@@ -487,7 +487,7 @@ def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path, existing
 
 
 def test_an_error_raised_on_several_ranks_is_said_once_after_the_ranks() -> None:
-    from lightning_shard.checkpoint.agreement import ranks_and_errors
+    from lightning_shard.checkpoint.io.agreement import ranks_and_errors
 
     assert ranks_and_errors(["x", "x", None, "y", "x", "x", "x"]) == "ranks 0, 1, 4-6: x; rank 3: y"
     assert ranks_and_errors([None, "disk full"]) == "rank 1: disk full"

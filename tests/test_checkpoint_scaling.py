@@ -22,15 +22,15 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_shard import CheckpointError, consolidate, inspect
-from lightning_shard.checkpoint import files as files_module
 from lightning_shard.checkpoint import format as checkpoint_format
-from lightning_shard.checkpoint import reader as reader_module
-from lightning_shard.checkpoint import writer as writer_module
 from lightning_shard.checkpoint.format import INDEX_FILE, MAX_JSON_BYTES, SMALL_PIECE_BYTES, shard_file_name
-from lightning_shard.checkpoint.index import read_index
-from lightning_shard.checkpoint.layout import shard_rows
-from lightning_shard.checkpoint.reader import RowReads, read_rows
-from lightning_shard.checkpoint.safetensors_header import BLOCK_BYTES
+from lightning_shard.checkpoint.format.safetensors_header import BLOCK_BYTES
+from lightning_shard.checkpoint.io import files as files_module
+from lightning_shard.checkpoint.io import reader as reader_module
+from lightning_shard.checkpoint.io import writer as writer_module
+from lightning_shard.checkpoint.io.index import read_index
+from lightning_shard.checkpoint.io.layout import shard_rows
+from lightning_shard.checkpoint.io.reader import RowReads, read_rows
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.testing import run_on_ranks
 from lightning_shard.testing_checkpoints import simulate_save, simulated_index
@@ -337,7 +337,7 @@ def test_a_flipped_byte_is_refused_by_every_read_that_lands_bytes_its_checksum_c
 
 
 def test_a_shard_file_holds_its_small_pieces_first_in_each_part(tmp_path: Path) -> None:
-    """See [Note: small pieces together] in lightning_shard/checkpoint/save.py."""
+    """See [Note: small pieces together] in lightning_shard/checkpoint/save/save.py."""
     model, optimizer = trained_plain(TinyGPT)
     ckpt = simulate_save(tmp_path / "ckpt", model, 16, [optimizer])
     module_order = [name for name, _ in model.named_parameters()]

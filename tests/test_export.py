@@ -189,7 +189,7 @@ def test_export_refuses_a_non_empty_destination(tmp_path: Path) -> None:
 
 
 def test_failed_export_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_shard.checkpoint.export as export
+    import lightning_shard.checkpoint.tools.export as export
 
     ckpt, _ = trained()
     calls = []
@@ -209,7 +209,7 @@ def test_failed_export_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_block_wise_reading_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_shard.checkpoint.export as export
+    import lightning_shard.checkpoint.tools.export as export
 
     ckpt, _ = trained()
     whole = load_file(str(export.export_hf(ckpt, tmp_path / "whole", prefix="model.").output_dir / "model.safetensors"))
@@ -222,12 +222,12 @@ def test_block_wise_reading_writes_the_same_bytes(tmp_path: Path, monkeypatch: p
 
 
 def test_a_piece_failing_its_checksum_fails_the_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_shard.checkpoint.export as export
+    import lightning_shard.checkpoint.tools.export as export
 
     ckpt, _ = trained()
     damaged = tmp_path / "damaged.ckpt"
     shutil.copytree(ckpt, damaged)
-    from lightning_shard.checkpoint.safetensors_header import read_safetensors_header
+    from lightning_shard.checkpoint.format.safetensors_header import read_safetensors_header
 
     shard = damaged / "shard-00001-of-00002.safetensors"
     data = shard.read_bytes()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lightning_shard.checkpoint import load_checkpoint, save_checkpoint
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.storage import RemoteDirectory
+from lightning_shard.checkpoint.io.storage import RemoteDirectory
 from lightning_shard.engine import shard_model
 from lightning_shard.testing import run_on_ranks
 from tests.checkpoint_fits import fit, global_losses, module_full_state
@@ -185,7 +185,7 @@ def test_a_flipped_byte_in_an_object_is_refused_at_the_writers_world_size_and_an
 def save_with_a_failure(rank: int, world_size: int, url: str, env: dict[str, str], where: str) -> str:
     """A save whose upload fails: on rank 1's data file (``"data"``), or at the commit, once every data file is
     uploaded (``"index"``: a save killed just before its index)."""
-    from lightning_shard.checkpoint import storage
+    from lightning_shard.checkpoint.io import storage
 
     _use_server(env)
     put_file, write_bytes = storage.RemoteDirectory.put_file, storage.RemoteDirectory.write_bytes
@@ -367,8 +367,8 @@ def test_tools_that_read_local_files_refuse_a_url_naming_it(tool: str, tmp_path:
     """A URL given to a tool that works on local files is refused with a message; it is never taken for a local path
     (``s3://bucket/ck`` as the relative directory ``s3:/bucket/ck``), and nothing is written."""
     from lightning_shard import export_hf, load_from_checkpoint
-    from lightning_shard.checkpoint.convert import convert
-    from lightning_shard.checkpoint.dcp_export import export_dcp
+    from lightning_shard.checkpoint.foreign.convert import convert
+    from lightning_shard.checkpoint.tools.dcp_export import export_dcp
     from tests.models import LitModel
 
     monkeypatch.chdir(tmp_path)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.checkpoint.index import read_index
+from lightning_shard.checkpoint.io.index import read_index
 from lightning_shard.engine.fingerprints import local_fingerprint
 from lightning_shard.fabric import ShardStrategy
 from lightning_shard.testing import run_on_ranks

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.trainer_state import from_json_tree, to_json_tree
+from lightning_shard.checkpoint.format.trainer_state import from_json_tree, to_json_tree
 
 
 def _round_trip(value: Any, tmp_path: Path) -> Any:

@@ -22,7 +22,7 @@ import torch
 
 from lightning_shard import consolidate, inspect
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
-from lightning_shard.checkpoint.load import _safetensors_tensors
+from lightning_shard.checkpoint.load.load import _safetensors_tensors
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
 from tests.checkpoint_fits import fit
 from tests.checkpoint_scaling_fits import FIXTURE_V1
@@ -351,7 +351,7 @@ def _grid(rows: int, cols: int, n: int) -> list[tuple[tuple[int, ...], tuple[int
 
 
 def test_dcp_chunks_on_a_grid_of_4096_are_checked_and_any_overlap_refused() -> None:
-    from lightning_shard.checkpoint.dcp import _check_tensor_entry
+    from lightning_shard.checkpoint.foreign.dcp import _check_tensor_entry
 
     _check_tensor_entry("w", _chunked((128, 128), _grid(2, 2, 64)), CheckpointError)  # 64 x 64: rows and columns
     overlapping = _grid(2, 2, 64)
@@ -364,7 +364,7 @@ def test_dcp_chunks_on_a_grid_of_4096_are_checked_and_any_overlap_refused() -> N
 
 
 def test_dcp_metadata_listing_more_chunks_than_a_save_writes_is_refused() -> None:
-    from lightning_shard.checkpoint import dcp
+    from lightning_shard.checkpoint.foreign import dcp
 
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((i,), (1,)) for i in range(dcp.MAX_CHUNKS + 1)]
     with pytest.raises(CheckpointError, match=f"lists {dcp.MAX_CHUNKS + 1} chunks, more than"):
@@ -384,7 +384,7 @@ class _HugeArray:
 def test_a_pickle_that_asks_numpy_for_a_huge_array_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
     import numpy as np
 
-    from lightning_shard.checkpoint.safe_pickle import load_restricted
+    from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
 
     torch.save({"callbacks": {"state": _HugeArray()}}, tmp_path / "crafted.pt")
     with pytest.raises(CheckpointError, match=r"crafted\.pt is refused: the pickle asks numpy for an array of shape"):

@@ -1,11 +1,13 @@
 """Checkpoints as directories of safetensors and JSON (no pickle), loadable at any world size; built on the engine,
-used by both front ends. ``save_checkpoint`` / ``load_checkpoint`` are the plain-PyTorch entry points; ``format``
-(names, limits, safe files and their headers), ``index`` (``index.json``), ``layout`` (which file holds which rows),
-``reader`` (reading rows), ``save``, ``load`` (and ``load_safetensors_into``), ``consolidate`` (one file,
-``inspect``) and ``agreement`` (every rank raises what any rank raised) are the parts. Checkpoints of other
-strategies come in through ``sources`` (what a path holds; ``lightning_ckpt`` and ``dcp`` read them, ``safe_pickle``
-without running their pickles, ``foreign_load`` loads them, ``convert`` rewrites them) and go out through
-``dcp_export``."""
+used by both front ends. ``save_checkpoint`` / ``load_checkpoint`` (``state``) are the plain-PyTorch entry points.
+The parts are in rooms by responsibility, each importing only from the rooms before it: ``format`` (names, limits,
+errors, dtypes, safe names, safetensors headers, the trainer state as JSON, peft adapters), ``io`` (locations,
+files, ``index.json``, which file holds which rows, reading rows, writing files, ``agreement``: every rank raises
+what any rank raised), ``save`` (writing a directory, committing it, in the background) and ``load`` (reading it
+back, and ``load_safetensors_into``), ``foreign`` (``sources``: what a path holds and the one way to open it;
+checkpoints of other strategies read without running their pickles, loaded or converted) and ``tools``
+(``consolidate`` and ``inspect``, exports to Hugging Face, PEFT, DCP and a Lightning ``.ckpt``). ``state`` and
+``averaged_load`` (averaged weights read back on resume) sit above ``foreign``, below ``tools``."""
 
 from lightning_shard.checkpoint.state import load_checkpoint, save_checkpoint
 

@@ -21,18 +21,18 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.agreement import agree
-from lightning_shard.checkpoint.background import BackgroundSaver
-from lightning_shard.checkpoint.consolidate import full_model_state
+from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
+from lightning_shard.checkpoint.foreign.torch_files import is_pickle
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.index import read_index
-from lightning_shard.checkpoint.load import load_model, load_safetensors_into
-from lightning_shard.checkpoint.pickles import is_pickle
-from lightning_shard.checkpoint.safe_pickle import load_restricted
-from lightning_shard.checkpoint.save import StateDictType
-from lightning_shard.checkpoint.selection import KeyFilter, ModelSelection, SavedParameters
+from lightning_shard.checkpoint.io.agreement import agree
+from lightning_shard.checkpoint.io.index import read_index
+from lightning_shard.checkpoint.io.selection import KeyFilter, ModelSelection, SavedParameters
+from lightning_shard.checkpoint.io.storage import Location
+from lightning_shard.checkpoint.load.load import load_model, load_safetensors_into
+from lightning_shard.checkpoint.save.background import BackgroundSaver
+from lightning_shard.checkpoint.save.save import StateDictType
 from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS, load_checkpoint, save_checkpoint
-from lightning_shard.checkpoint.storage import Location
+from lightning_shard.checkpoint.tools.consolidate import full_model_state
 from lightning_shard.common.checkpoint import FABRIC_OBJECTS
 from lightning_shard.engine.sharded_module import sharded_module_of
 
@@ -95,8 +95,9 @@ def fabric_model_selection(
 
 def load_fabric_state(path: Location, state: dict[str, Any], strict: bool) -> dict[str, Any]:
     """Fill ``state``'s module, optimizers and values in place from the checkpoint at ``path`` (a checkpoint
-    directory, or what another strategy's ``fabric.save`` or Trainer wrote: ``lightning_shard.checkpoint.sources``);
-    return what the checkpoint holds that ``state`` did not ask for. Collective."""
+    directory, or what another strategy's ``fabric.save`` or Trainer wrote:
+    ``lightning_shard.checkpoint.foreign.sources``); return what the checkpoint holds that ``state`` did not ask for.
+    Collective."""
     module_key, module = _sharded_module(state, "fabric.load")
     optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
     optimizers = [state[k] for k in optimizer_keys]

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 from lightning_shard.checkpoint.format import INDEX_FILE
-from lightning_shard.checkpoint.storage import is_url
+from lightning_shard.checkpoint.io.storage import is_url
 
 
 def newest_last_checkpoint(trainer: pl.Trainer, storage_options: dict[str, Any] | None) -> str | None:

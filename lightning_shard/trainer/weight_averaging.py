@@ -29,8 +29,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
-from lightning_shard.checkpoint.averaged import AVERAGED_MODEL_KEY, AveragedTensors, has_average, load_averaged
-from lightning_shard.checkpoint.sources import CheckpointSource
+from lightning_shard.checkpoint.averaged_load import has_average, load_averaged
+from lightning_shard.checkpoint.foreign.sources import CheckpointSource
+from lightning_shard.checkpoint.io.averaged import AVERAGED_MODEL_KEY, AveragedTensors
 
 AVERAGING_STATE_KEY = "averaging_state"  # the trainer state's entry for the AveragedModel's own state
 

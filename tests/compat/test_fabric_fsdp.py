@@ -28,7 +28,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
 
 import lightning_shard
 from lightning_shard import MixedPrecision, ShardingStrategy
-from lightning_shard.checkpoint.index import read_index
+from lightning_shard.checkpoint.io.index import read_index
 from lightning_shard.engine import sharded_module_of
 from lightning_shard.fabric import ShardPrecision, ShardStrategy
 from tests.checkpoint_fits import module_full_state

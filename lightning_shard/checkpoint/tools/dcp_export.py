@@ -25,15 +25,15 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from lightning_shard.checkpoint.export import move_into_place, temporary_directory_beside
 from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError
-from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors
-from lightning_shard.checkpoint.layout import StoredTensor, require_complete
-from lightning_shard.checkpoint.load import load_trainer_state
-from lightning_shard.checkpoint.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.format.trainer_state import from_json_tree
+from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors
+from lightning_shard.checkpoint.io.layout import StoredTensor, require_complete
+from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.io.storage import local_only
+from lightning_shard.checkpoint.load.load import load_trainer_state
 from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS
-from lightning_shard.checkpoint.storage import local_only
-from lightning_shard.checkpoint.trainer_state import from_json_tree
+from lightning_shard.checkpoint.tools.export import move_into_place, temporary_directory_beside
 
 MODEL_KEY = "state_dict"  # ModelParallelStrategy's key of the model; optimizers are "optimizer_<i>"
 META_FILE = "meta.pt"

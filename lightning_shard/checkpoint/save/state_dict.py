@@ -3,7 +3,7 @@
 ``get_module_state_dict`` and ``get_optimizer_state`` return, and what plain-PyTorch code gets from
 ``model_state_dict`` and ``optimizer_state_dict``.
 
-    from lightning_shard.checkpoint.state_dict import model_state_dict, optimizer_state_dict
+    from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
 
     full = model_state_dict(model, "full")          # collective; rank 0: {name: CPU tensor}, other ranks: {}
     shards = model_state_dict(model, "sharded")     # collective; every rank: {name: DTensor view of its rows}
@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.save import StateDictType
+from lightning_shard.checkpoint.save.save import StateDictType
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.progress import about
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of

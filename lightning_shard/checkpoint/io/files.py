@@ -1,6 +1,6 @@
 """The files of one checkpoint as a load sees them: each opened only when something is read from it, checked first.
 
-See [Note: checkpoints are untrusted] in ``format.py``.
+See [Note: checkpoints are untrusted] in ``format/__init__.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from lightning_shard.checkpoint.format import MAX_JSON_BYTES, CheckpointError, member_path, refuse_unplain_name
-from lightning_shard.checkpoint.safetensors_header import SafetensorsHeader, TensorTable, header_length, parse_header
+from lightning_shard.checkpoint.format.safetensors_header import (
+    SafetensorsHeader,
+    TensorTable,
+    header_length,
+    parse_header,
+)
 
 if TYPE_CHECKING:
-    from lightning_shard.checkpoint.storage import Location, MemberURL
+    from lightning_shard.checkpoint.io.storage import Location, MemberURL
 
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # where there is none, every name is checked by ``member_path``
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)  # never blocks on a pipe

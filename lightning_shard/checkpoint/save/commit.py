@@ -1,6 +1,6 @@
 """Committing a save: the index written last, the temporary directory swapped in (or, on object storage, the index
 uploaded last), and what a killed save left behind put back or cleaned up (see [Note: atomic checkpoint saves] in
-``save.py``, [Note: committing to object storage] in ``storage.py``)."""
+``save/save.py``, [Note: committing to object storage] in ``io/storage.py``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from lightning_shard.checkpoint.format import (
     TRAINER_STATE_TENSORS,
     CheckpointError,
 )
-from lightning_shard.checkpoint.index import FileRecord
-from lightning_shard.checkpoint.storage import RemoteDirectory
+from lightning_shard.checkpoint.io.index import FileRecord
+from lightning_shard.checkpoint.io.storage import RemoteDirectory
 
 
 def commit(tmp: Path, path: Path, index: bytes) -> None:

@@ -35,15 +35,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import format as checkpoint_format
-from lightning_shard.checkpoint.adapters import ADAPTERS, peft_adapters
-from lightning_shard.checkpoint.agreement import agree, broadcast_str, gather_on_first_rank
-from lightning_shard.checkpoint.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
-from lightning_shard.checkpoint.commit import (
-    commit,
-    commit_remote,
-    refuse_foreign_objects,
-    refuse_to_replace_other_data,
-)
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -55,16 +46,25 @@ from lightning_shard.checkpoint.format import (
     CheckpointError,
     shard_file_name,
 )
-from lightning_shard.checkpoint.index import LEFT_OUT, FileRecord, SavedTensor, build_index, encode_index
-from lightning_shard.checkpoint.layout import shard_rows
-from lightning_shard.checkpoint.selection import (
+from lightning_shard.checkpoint.format.adapters import ADAPTERS, peft_adapters
+from lightning_shard.checkpoint.format.trainer_state import to_json_tree
+from lightning_shard.checkpoint.io.agreement import agree, broadcast_str, gather_on_first_rank
+from lightning_shard.checkpoint.io.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
+from lightning_shard.checkpoint.io.index import LEFT_OUT, FileRecord, SavedTensor, build_index, encode_index
+from lightning_shard.checkpoint.io.layout import shard_rows
+from lightning_shard.checkpoint.io.selection import (
     MODEL_SELECTION_KEY,
     ModelSelection,
     left_out_fingerprints,
 )
-from lightning_shard.checkpoint.storage import Location, RemoteDirectory
-from lightning_shard.checkpoint.trainer_state import to_json_tree
-from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
+from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory
+from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter, sha256_file
+from lightning_shard.checkpoint.save.commit import (
+    commit,
+    commit_remote,
+    refuse_foreign_objects,
+    refuse_to_replace_other_data,
+)
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.policies import parse_choice
 from lightning_shard.engine.sharded_module import ShardedModule

@@ -2,8 +2,8 @@
 
 A checkpoint's safetensors files record in their header's ``__metadata__`` the CRC-32 of each block of
 ``"crc32_block_bytes"`` bytes of their data section (``"crc32_blocks"``, version 3; see [Note: every byte that lands
-is checked] in ``reader.py``). Files of versions 1 and 2 record the CRC-32 of each tensor instead (``"crc32"``, and in
-version 2 a running CRC-32 no reader needs any longer); a reader checks a tensor of theirs whole.
+is checked] in ``io/reader.py``). Files of versions 1 and 2 record the CRC-32 of each tensor instead (``"crc32"``,
+and in version 2 a running CRC-32 no reader needs any longer); a reader checks a tensor of theirs whole.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
+from lightning_shard.checkpoint.foreign.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
+from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
 from lightning_shard.checkpoint.format import CheckpointError, member_path
-from lightning_shard.checkpoint.safe_pickle import load_restricted
 
 METADATA_FILE = ".metadata"
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's checkpoint dict without model and optimizers (rank 0's torch.save)

@@ -26,22 +26,22 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.commit import commit, refuse_to_replace_other_data
-from lightning_shard.checkpoint.foreign import (
+from lightning_shard.checkpoint.foreign.foreign import (
     ForeignCheckpoint,
     ForeignOptimizer,
     ForeignTensor,
     ParamKeys,
     name_positions,
 )
-from lightning_shard.checkpoint.foreign_load import per_element_states
+from lightning_shard.checkpoint.foreign.foreign_load import per_element_states
+from lightning_shard.checkpoint.foreign.sources import CheckpointKind, detect, read_foreign
 from lightning_shard.checkpoint.format import FORMAT_NAME, MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError, dtype_name
-from lightning_shard.checkpoint.index import FileRecord, SavedTensor, build_index, encode_index
-from lightning_shard.checkpoint.save import StateDictType, index_head, write_trainer_state
-from lightning_shard.checkpoint.sources import CheckpointKind, detect, read_foreign
-from lightning_shard.checkpoint.storage import local_only
-from lightning_shard.checkpoint.trainer_state import to_json_tree
-from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
+from lightning_shard.checkpoint.format.trainer_state import to_json_tree
+from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_index, encode_index
+from lightning_shard.checkpoint.io.storage import local_only
+from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter, sha256_file
+from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
+from lightning_shard.checkpoint.save.save import StateDictType, index_head, write_trainer_state
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"

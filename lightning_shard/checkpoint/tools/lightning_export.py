@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from lightning_shard.checkpoint.consolidate import checkpoint_location
-from lightning_shard.checkpoint.export import temporary_directory_beside
-from lightning_shard.checkpoint.file_modes import give_default_modes
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError
-from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties
-from lightning_shard.checkpoint.layout import require_complete
-from lightning_shard.checkpoint.load import load_trainer_state
-from lightning_shard.checkpoint.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.io.file_modes import give_default_modes
+from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors, model_ties
+from lightning_shard.checkpoint.io.layout import require_complete
+from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.load.load import load_trainer_state
+from lightning_shard.checkpoint.tools.consolidate import checkpoint_location
+from lightning_shard.checkpoint.tools.export import temporary_directory_beside
 
 LIGHTNING_VERSION = "pytorch-lightning_version"
 

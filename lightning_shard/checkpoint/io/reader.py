@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.files import CheckpointFiles
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.layout import Piece, RowSplit, StoredTensor, check_piece, rows_per_shard
-from lightning_shard.checkpoint.safetensors_header import SafetensorsHeader, TensorTable
+from lightning_shard.checkpoint.format.safetensors_header import SafetensorsHeader, TensorTable
+from lightning_shard.checkpoint.io.files import CheckpointFiles
+from lightning_shard.checkpoint.io.layout import Piece, RowSplit, StoredTensor, check_piece, rows_per_shard
 
 _WINDOW_BYTES = 8 * 2**20  # read at once (files x bytes); more only where one piece of a version 1-2 file is larger
 _IN_PLACE_BYTES = 64 * 2**10  # pieces at least this large are read straight into their targets

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
+from lightning_shard.checkpoint.foreign.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
+from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
 from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.safe_pickle import load_restricted
 
 TRAINER_MODEL = "state_dict"  # the Trainer's checkpoint dict: the LightningModule's state_dict
 TRAINER_OPTIMIZERS = "optimizer_states"  # ... and a list of optimizer.state_dict()s

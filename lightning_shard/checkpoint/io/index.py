@@ -18,8 +18,6 @@ from typing import Any
 import torch
 
 from lightning_shard.checkpoint import format as checkpoint_format
-from lightning_shard.checkpoint.adapters import ADAPTERS, check_adapters_record
-from lightning_shard.checkpoint.files import CheckpointFiles, read_json_member
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -33,7 +31,9 @@ from lightning_shard.checkpoint.format import (
     is_shape,
     refuse_unplain_name,
 )
-from lightning_shard.checkpoint.layout import (
+from lightning_shard.checkpoint.format.adapters import ADAPTERS, check_adapters_record
+from lightning_shard.checkpoint.io.files import CheckpointFiles, read_json_member
+from lightning_shard.checkpoint.io.layout import (
     Listed,
     Piece,
     Placement,
@@ -42,9 +42,9 @@ from lightning_shard.checkpoint.layout import (
     Whole,
     shards_holding_rows,
 )
-from lightning_shard.checkpoint.storage import Location, MemberURL, RemoteDirectory
+from lightning_shard.checkpoint.io.storage import Location, MemberURL, RemoteDirectory
 
-LEFT_OUT = "left_out"  # model key -> fingerprint of each model tensor a save left out (see checkpoint.selection)
+LEFT_OUT = "left_out"  # model key -> fingerprint of each model tensor a save left out (see checkpoint.io.selection)
 SPLIT_BY_ROWS = "rows"  # a tensor entry's "split": its rows are spread over "shard_files" by the writer's rule
 
 

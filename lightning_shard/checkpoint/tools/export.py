@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from lightning_shard.checkpoint.adapters import (
+from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, read_json_object, submodule_prefix
+from lightning_shard.checkpoint.format.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     ADAPTERS,
@@ -31,14 +32,13 @@ from lightning_shard.checkpoint.adapters import (
     adapters_to_export,
     merge_adapters,
 )
-from lightning_shard.checkpoint.averaged import Weights, weights_prefix
-from lightning_shard.checkpoint.file_modes import give_default_modes
-from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, read_json_object, submodule_prefix
-from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, read_index
-from lightning_shard.checkpoint.layout import StoredTensor, require_complete
-from lightning_shard.checkpoint.reader import FileHandles, read_rows
-from lightning_shard.checkpoint.storage import local_only
-from lightning_shard.checkpoint.writer import SafetensorsStreamWriter
+from lightning_shard.checkpoint.io.averaged import Weights, weights_prefix
+from lightning_shard.checkpoint.io.file_modes import give_default_modes
+from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors, read_index
+from lightning_shard.checkpoint.io.layout import StoredTensor, require_complete
+from lightning_shard.checkpoint.io.reader import FileHandles, read_rows
+from lightning_shard.checkpoint.io.storage import local_only
+from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter
 
 _BLOCK_BYTES = 16 * 2**20  # rows are read and written in blocks of at most this size
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -20,9 +20,9 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from lightning_shard.checkpoint.files import CheckpointFiles
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError, dtype_name, safetensors_dtype_code
-from lightning_shard.checkpoint.safetensors_header import SafetensorsHeader
+from lightning_shard.checkpoint.format.safetensors_header import SafetensorsHeader
+from lightning_shard.checkpoint.io.files import CheckpointFiles
 
 
 def rows_per_shard(rows: int, shard_size: int) -> int:

@@ -1,40 +1,22 @@
-"""A second copy of the model's tensors in a checkpoint: the running average of the weights (EMA/SWA).
-
-[Note: averaged weights in a checkpoint]
-A weight-averaging callback keeps, on every rank, the average of this rank's rows of every
-parameter (and of every buffer). A save stores it beside the model, laid out like it: index keys
-``"average/" + <the model's state_dict key>``, each rank writing its rows of the parameters (rank
-0 the buffers) in its own shard file, so nothing is gathered. A load reads each rank's rows back,
-whatever world size wrote them, straight into the averaged tensors. The front end passes the
-averaged tensors to the save under ``AVERAGED_MODEL_KEY`` in the checkpoint dict (the save takes
-them out before the trainer state is written) and asks ``load_averaged`` for them on resume.
-"""
+"""Reading a checkpoint's averaged weights back on resume (see [Note: averaged weights in a checkpoint] in
+``io/averaged.py``, which holds their keys and ``AveragedTensors``). It reads through a ``CheckpointSource``
+(``foreign/sources.py``), so it sits at the top of the checkpoint layer beside ``state.py``; the ``io`` room, which a
+save imports, could not hold it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from torch import Tensor
 
-from lightning_shard.checkpoint.agreement import agree
+from lightning_shard.checkpoint.foreign.sources import CheckpointSource, ShardDirectory
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError
-from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties
-from lightning_shard.checkpoint.layout import require_complete
-from lightning_shard.checkpoint.reader import RowReads
-from lightning_shard.checkpoint.sources import CheckpointSource, ShardDirectory
+from lightning_shard.checkpoint.io.agreement import agree
+from lightning_shard.checkpoint.io.averaged import AVERAGE_PREFIX, AveragedTensors
+from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors, model_ties
+from lightning_shard.checkpoint.io.layout import require_complete
+from lightning_shard.checkpoint.io.reader import RowReads
 from lightning_shard.engine.sharded_module import ShardedModule
-
-AVERAGE_PREFIX = "average/"  # index keys of averaged tensors: "average/" + the model's state_dict key
-AVERAGED_MODEL_KEY = "lightning_shard_averaged_model"  # the checkpoint dict's entry a save takes out
-
-
-@dataclass(frozen=True)
-class AveragedTensors:
-    """This rank's averaged tensors, keyed by the model's parameter and buffer names: for a parameter, a tensor of
-    this rank's rows (shaped like its shard); for a buffer, the whole buffer."""
-
-    tensors: dict[str, Tensor] = field(repr=False)
 
 
 def has_average(source: CheckpointSource) -> bool:
@@ -85,21 +67,3 @@ def _check(source: ShardDirectory, key: str, stored: Any, expected: Any) -> None
         raise CheckpointError(
             f"{source.path}: the averaged {key!r} has shape {tuple(stored)}, the model's is {tuple(expected)}."
         )
-
-
-Weights = Literal["current", "averaged"]
-
-
-def weights_prefix(index: dict[str, Any], weights: Weights | str, where: Any) -> str:
-    """The index prefix of the weights a reader of checkpoint ``where`` named: ``"current"`` (the model as trained)
-    or ``"averaged"`` (the running average a weight-averaging callback kept; refused if the checkpoint has none)."""
-    if weights == "current":
-        return MODEL_PREFIX
-    if weights != "averaged":
-        raise ValueError(f"weights={weights!r} is not one of 'current', 'averaged'.")
-    if not any(True for _ in iter_index_tensors(index, AVERAGE_PREFIX)):
-        raise CheckpointError(
-            f"{where} holds no averaged weights: it was not saved during a fit with a WeightAveraging callback."
-            " Use weights='current' (--weights current)."
-        )
-    return AVERAGE_PREFIX

@@ -1,5 +1,8 @@
 """The checkpoint format's primitives: names, dtypes, the one size limit for JSON members, safe paths inside a
-checkpoint directory, and safetensors headers, read once each and checked against the files' real sizes.
+checkpoint directory, and safetensors headers, read once each and checked against the files' real sizes. This is
+the ``format`` room of the checkpoint layer, which imports no other room: this module, safetensors headers and their
+checksums (``safetensors_header``), Lightning's checkpoint dict as JSON plus tensors (``trainer_state``) and the
+peft adapters a save records (``adapters``).
 
 See docs/checkpoint_format.md for the specification. In short::
 
@@ -11,8 +14,9 @@ See docs/checkpoint_format.md for the specification. In short::
       ...                         ("full" checkpoints: model.safetensors and optimizer.safetensors)
 
 The index gives each tensor's global shape and dtype and where it is stored: split by rows over the shard
-files by the writer's rule, or whole in one file (``layout.py``). Each safetensors file records the CRC-32 of
-every tensor it holds in its own header. ``index.py`` reads and writes ``index.json``; ``reader.py`` reads rows.
+files by the writer's rule, or whole in one file (``io/layout.py``). Each safetensors file records the CRC-32 of
+every tensor it holds in its own header. ``io/index.py`` reads and writes ``index.json``; ``io/reader.py`` reads
+rows.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_shard.checkpoint.agreement import agree, broadcast_str
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError
+from lightning_shard.checkpoint.io.agreement import agree, broadcast_str
 from lightning_shard.engine.fingerprints import Fingerprint, fingerprints
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_shard.checkpoint.format import _SAFETENSORS_DTYPES, CheckpointError
-from lightning_shard.checkpoint.safetensors_header import BLOCK_BYTES, BLOCK_BYTES_METADATA, BLOCK_CRC32_METADATA
+from lightning_shard.checkpoint.format.safetensors_header import BLOCK_BYTES, BLOCK_BYTES_METADATA, BLOCK_CRC32_METADATA
 
 
 def sha256_file(path: Path) -> str:

@@ -18,8 +18,6 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.agreement import agree
-from lightning_shard.checkpoint.files import CheckpointFiles, read_json_member
 from lightning_shard.checkpoint.format import (
     INDEX_FILE,
     MAX_JSON_BYTES,
@@ -33,12 +31,14 @@ from lightning_shard.checkpoint.format import (
     member_path,
     submodule_prefix,
 )
-from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
-from lightning_shard.checkpoint.layout import StoredTensor, Whole, require_complete
-from lightning_shard.checkpoint.reader import RowReads
-from lightning_shard.checkpoint.selection import expect_left_out
-from lightning_shard.checkpoint.storage import Location, local_only
-from lightning_shard.checkpoint.trainer_state import from_json_tree
+from lightning_shard.checkpoint.format.trainer_state import from_json_tree
+from lightning_shard.checkpoint.io.agreement import agree
+from lightning_shard.checkpoint.io.files import CheckpointFiles, read_json_member
+from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
+from lightning_shard.checkpoint.io.layout import StoredTensor, Whole, require_complete
+from lightning_shard.checkpoint.io.reader import RowReads
+from lightning_shard.checkpoint.io.selection import expect_left_out
+from lightning_shard.checkpoint.io.storage import Location, local_only
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 

@@ -25,16 +25,16 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.foreign import ForeignCheckpoint
+from lightning_shard.checkpoint.foreign.foreign import ForeignCheckpoint
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
-from lightning_shard.checkpoint.load import (
+from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, is_url
+from lightning_shard.checkpoint.load.load import (
     LoadResult,
     load_model,
     load_model_and_optimizers,
     load_optimizers,
     load_trainer_state,
 )
-from lightning_shard.checkpoint.storage import Location, RemoteDirectory, is_url
 from lightning_shard.engine.sharded_module import ShardedModule
 
 
@@ -49,8 +49,8 @@ class CheckpointKind(enum.Enum):
 def detect(path: Path) -> CheckpointKind:
     """What ``path`` holds, from its names and first bytes only; ``CheckpointError`` saying what was found when it
     is none of ``CheckpointKind``."""
-    from lightning_shard.checkpoint.dcp import METADATA_FILE
-    from lightning_shard.checkpoint.safe_pickle import is_torch_zip
+    from lightning_shard.checkpoint.foreign.dcp import METADATA_FILE
+    from lightning_shard.checkpoint.foreign.safe_pickle import is_torch_zip
 
     if path.is_dir():
         if (path / INDEX_FILE).exists():
@@ -153,12 +153,12 @@ class ForeignSource(CheckpointSource):
         return len(self.checkpoint.optimizers)
 
     def load_model(self, engine: ShardedModule, module: nn.Module, strict: bool) -> LoadResult:
-        from lightning_shard.checkpoint.foreign_load import load_foreign_model
+        from lightning_shard.checkpoint.foreign.foreign_load import load_foreign_model
 
         return load_foreign_model(engine, module, self.checkpoint, strict=strict)
 
     def load_optimizers(self, engine: ShardedModule, optimizers: Sequence[Optimizer], strict: bool) -> None:
-        from lightning_shard.checkpoint.foreign_load import load_foreign_optimizers
+        from lightning_shard.checkpoint.foreign.foreign_load import load_foreign_optimizers
 
         load_foreign_optimizers(engine, optimizers, self.checkpoint, strict=strict)
 
@@ -176,7 +176,7 @@ def open_checkpoint(
         return ShardDirectory(path)
     if is_url(path):
         raise CheckpointError(
-            f"open_checkpoint({str(path)!r}): a URL is opened through lightning_shard.checkpoint.storage.location(),"
+            f"open_checkpoint({str(path)!r}): a URL is opened through lightning_shard.checkpoint.io.storage.location(),"
             " which takes its storage_options."
         )
     path = Path(path)
@@ -191,11 +191,11 @@ def read_foreign(
 ) -> ForeignCheckpoint:
     """The foreign checkpoint at ``path`` (``kind`` as ``detect`` gave it)."""
     if kind is CheckpointKind.LIGHTNING_CKPT:
-        from lightning_shard.checkpoint.lightning_ckpt import read_lightning_ckpt
+        from lightning_shard.checkpoint.foreign.lightning_ckpt import read_lightning_ckpt
 
         return read_lightning_ckpt(path, module_key, optimizer_keys)
     if kind is CheckpointKind.DCP_DIRECTORY:
-        from lightning_shard.checkpoint.dcp import read_dcp
+        from lightning_shard.checkpoint.foreign.dcp import read_dcp
 
         return read_dcp(path, module_key, optimizer_keys)
     raise CheckpointError(f"{path} is {kind.value}, not a foreign checkpoint.")

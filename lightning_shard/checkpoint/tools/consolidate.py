@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_shard.checkpoint.adapters import ADAPTERS
-from lightning_shard.checkpoint.files import CheckpointFiles, read_json_member
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     MODEL_PREFIX,
@@ -23,11 +21,13 @@ from lightning_shard.checkpoint.format import (
     dtype_name,
     member_named,
 )
-from lightning_shard.checkpoint.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
-from lightning_shard.checkpoint.layout import check_piece, require_complete
-from lightning_shard.checkpoint.reader import FileHandles, read_tensor
-from lightning_shard.checkpoint.storage import Location, RemoteDirectory, is_url, location
-from lightning_shard.checkpoint.writer import SafetensorsStreamWriter, sha256_file
+from lightning_shard.checkpoint.format.adapters import ADAPTERS
+from lightning_shard.checkpoint.io.files import CheckpointFiles, read_json_member
+from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
+from lightning_shard.checkpoint.io.layout import check_piece, require_complete
+from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, is_url, location
+from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter, sha256_file
 
 _BLOCK_BYTES = 16 * 2**20  # verify reads a piece in blocks of at most this size
 

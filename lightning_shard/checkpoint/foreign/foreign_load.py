@@ -15,8 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.agreement import agree
-from lightning_shard.checkpoint.foreign import (
+from lightning_shard.checkpoint.foreign.foreign import (
     ForeignCheckpoint,
     ForeignOptimizer,
     ForeignTensor,
@@ -25,7 +24,8 @@ from lightning_shard.checkpoint.foreign import (
     name_positions,
 )
 from lightning_shard.checkpoint.format import CheckpointError, check_loadable
-from lightning_shard.checkpoint.load import LoadResult, check_model_keys, covered_keys
+from lightning_shard.checkpoint.io.agreement import agree
+from lightning_shard.checkpoint.load.load import LoadResult, check_model_keys, covered_keys
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule
 
