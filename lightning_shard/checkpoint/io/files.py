@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from lightning_shard.checkpoint.format import MAX_JSON_BYTES, CheckpointError, member_path, refuse_unplain_name
+from lightning_shard.checkpoint import format as checkpoint_format
+from lightning_shard.checkpoint.format import CheckpointError, member_path, refuse_unplain_name
 from lightning_shard.checkpoint.format.safetensors_header import (
     SafetensorsHeader,
     TensorTable,
@@ -145,7 +146,7 @@ def is_remote(directory: Location) -> bool:
 def read_json_member(directory: Location, name: str) -> Any:
     """The JSON file ``name`` of a checkpoint directory, refusing what is not a regular file inside it (a link out,
     a device, a pipe: nothing that could hang or never end) and anything above ``MAX_JSON_BYTES``."""
-    limit = MAX_JSON_BYTES
+    limit = checkpoint_format.MAX_JSON_BYTES  # the one limit, which a save checks too
     path: Path | MemberURL
     if not isinstance(directory, Path):  # an object at a URL (no links, devices or pipes there)
         refuse_unplain_name(directory, name)
