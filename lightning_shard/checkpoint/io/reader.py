@@ -29,6 +29,7 @@ target in one numpy copy. A rank's Python work grows with its groups and tensors
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import zlib
 from collections import OrderedDict
@@ -300,44 +301,61 @@ def _add_run(
 
 
 def _read_group(group: _Group, runs: list[_Run], arrays: list[Any], pool: FileHandles, scratch: Any) -> None:
-    """The runs of ``group``: runs over the same files whose extents touch are read together, in chunks that end on
-    block boundaries, a window of files at a time (in ``scratch``, unless one file's chunk is larger); each file's
-    chunk checked, then each run's bytes in it copied out."""
-    segments: list[tuple[list[_Run], int]] = []  # runs sorted by where they start, and where the last one ends
-    for run in sorted(runs, key=lambda r: (r.first, r.last, r.hi - r.lo >= _IN_PLACE_BYTES, r.begin)):
-        if segments and _same_files(segments[-1][0][0], run) and run.begin <= segments[-1][1]:
-            segments[-1][0].append(run)
-            segments[-1] = (segments[-1][0], max(segments[-1][1], run.end))
-        else:
-            segments.append(([run], run.end))
-    for segment, end in segments:
-        if segment[0].hi - segment[0].lo >= _IN_PLACE_BYTES and _apart(segment):
+    """The runs of ``group``. Runs of large pieces over the same files are read in place, file by file
+    (``_read_in_place``). The others are read through windows: their extents joined where they touch, each joined
+    span read from every file some of its runs need, in chunks that end on block boundaries, a window of files at a
+    time (in ``scratch``, unless one file's chunk is larger); each file's chunk is checked, then each run's bytes in
+    the window are copied out, one numpy copy a run."""
+    windowed = [run for run in runs if run.hi - run.lo < _IN_PLACE_BYTES]
+    for segment, end in _joined(sorted((r for r in runs if r.hi - r.lo >= _IN_PLACE_BYTES),
+                                       key=lambda r: (r.first, r.last, r.begin)), same_files=True):
+        if _apart(segment):
             for position in range(segment[0].first, segment[0].last + 1):
                 _read_in_place(group, position, segment, end, arrays, pool, scratch)
-            continue
-        first, last, done = segment[0].first, segment[0].last, 0
-        starts = [run.begin for run in segment]
+        else:  # two targets of the same rows: through windows
+            windowed += segment
+    for segment, end in _joined(sorted(windowed, key=lambda r: r.begin), same_files=False):
+        marks = [0] * (len(group.names) + 1)
+        for run in segment:
+            marks[run.first] += 1
+            marks[run.last + 1] -= 1
+        needed = [f for f, depth in enumerate(itertools.accumulate(marks[:-1])) if depth]  # the files runs read
+        done, starts = 0, [run.begin for run in segment]
         for lo, hi in _chunks(segment[0].begin, end, _unit(group, segment)):
             while segment[done].end <= lo:  # runs sorted by start: those wholly before this chunk are done
                 done += 1
             inside = [run for run in segment[done : bisect.bisect_left(starts, hi)] if run.hi > lo and run.lo < hi]
             rows = max(1, len(scratch) // (hi - lo))
-            for w0 in range(first, last + 1, rows):
-                w1 = min(last, w0 + rows - 1)
-                need = (w1 - w0 + 1) * (hi - lo)
-                window = (scratch[:need] if need <= len(scratch) else np.empty(need, np.uint8)).reshape(w1 - w0 + 1, -1)
-                for j in range(w1 - w0 + 1):
-                    header = group.headers[w0 + j]
-                    pool.read_exactly(group.files, group.names[w0 + j], header.data_start + lo, window[j])
-                    _check(group, w0 + j, segment, lo, window[j])
+            for j0 in range(0, len(needed), rows):
+                files = needed[j0 : j0 + rows]
+                need = len(files) * (hi - lo)
+                window = (scratch[:need] if need <= len(scratch) else np.empty(need, np.uint8)).reshape(len(files), -1)
+                everywhere = [r for r in inside if r.first <= files[0] and files[-1] <= r.last]
+                elsewhere = [r for r in inside if not (r.first <= files[0] and files[-1] <= r.last)]
+                spans = _spans(everywhere, lo, hi)  # what every file of the window needs checked
+                for row, position in zip(window, files):
+                    header = group.headers[position]
+                    pool.read_exactly(group.files, group.names[position], header.data_start + lo, row)
+                    mine = [r for r in elsewhere if r.first <= position <= r.last]
+                    _check(group, position, everywhere + mine, lo, row, _spans(everywhere + mine, lo, hi) if mine
+                           else spans)
                 for run in inside:
-                    _copy(run, w0, w1, lo, hi, window, arrays[run.target])
+                    _copy(run, files, lo, hi, window, arrays[run.target])
 
 
-def _same_files(run: _Run, other: _Run) -> bool:
-    """Whether two runs read the same files and are both read in place, or both through windows."""
-    return (run.first, run.last, run.hi - run.lo >= _IN_PLACE_BYTES) == (
-        other.first, other.last, other.hi - other.lo >= _IN_PLACE_BYTES)
+def _joined(runs: list[_Run], same_files: bool) -> list[tuple[list[_Run], int]]:
+    """``runs`` (sorted by where their extents start) in segments whose extents touch (and, with ``same_files``, that
+    read the same files), each with where its last extent ends."""
+    segments: list[tuple[list[_Run], int]] = []
+    for run in runs:
+        last = segments[-1] if segments else None
+        if last and run.begin <= last[1] and (not same_files or (last[0][0].first, last[0][0].last) == (
+                run.first, run.last)):
+            last[0].append(run)
+            segments[-1] = (last[0], max(last[1], run.end))
+        else:
+            segments.append(([run], run.end))
+    return segments
 
 
 def _apart(segment: list[_Run]) -> bool:
@@ -396,7 +414,7 @@ def _checksums(
         data_bytes = group.table.data_bytes
         return [(at, min(at + size, data_bytes), header.blocks.at(at // size)) for at in range(lo, hi, size)]
     return [(run.begin, run.end, run.crc32 if run.crc32 is not None else header.tensor_crc32(run.key))
-            for run in segment]
+            for run in segment if run.first <= position <= run.last and lo <= run.begin and run.end <= hi]
 
 
 def _unit(group: _Group, segment: list[_Run]) -> int | None:
@@ -417,23 +435,40 @@ def _chunks(begin: int, end: int, unit: int | None) -> list[tuple[int, int]]:
     return [(lo, min(end, lo + step)) for lo in range(begin, end, step)]
 
 
-def _check(group: _Group, position: int, segment: list[_Run], lo: int, data: Any) -> None:
-    """Check bytes ``[lo, lo + len(data))`` of the data section of a file of ``group`` against its checksums: each
-    block they hold (they start and end on block boundaries), or each piece of ``segment``."""
-    for a, b, expected in _checksums(group, position, segment, lo, lo + len(data)):
-        if expected is not None and zlib.crc32(data[a - lo : b - lo]) != expected:
-            _corrupted(group, position, a, b)
+def _spans(runs: list[_Run], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The extents of ``runs`` within ``[lo, hi)``, joined where they touch, in order."""
+    spans: list[tuple[int, int]] = []
+    for run in sorted(runs, key=lambda r: r.begin):
+        a, b = max(run.begin, lo), min(run.end, hi)
+        if a >= b:
+            continue
+        if spans and a <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], b))
+        else:
+            spans.append((a, b))
+    return spans
 
 
-def _copy(run: _Run, w0: int, w1: int, lo: int, hi: int, window: Any, target: Any) -> None:
-    """Copy what ``run`` needs of the window (files ``w0..w1``, bytes ``[lo, hi)`` of each) into its target."""
-    f0, f1 = max(run.first, w0), min(run.last, w1)
+def _check(group: _Group, position: int, runs: list[_Run], lo: int, data: Any, spans: list[tuple[int, int]]) -> None:
+    """Check ``spans`` (what ``runs`` need) of bytes ``[lo, lo + len(data))`` of the data section of a file of
+    ``group`` against its checksums: each block there (block boundaries), or each of their pieces. Bytes a window
+    reads for other files' runs only are not used, so not checked."""
+    for begin, end in spans:
+        for a, b, expected in _checksums(group, position, runs, begin, end):
+            if expected is not None and zlib.crc32(data[a - lo : b - lo]) != expected:
+                _corrupted(group, position, a, b)
+
+
+def _copy(run: _Run, files: list[int], lo: int, hi: int, window: Any, target: Any) -> None:
+    """Copy what ``run`` needs of the window (a row for each of ``files``, ascending, each bytes ``[lo, hi)`` of
+    its data section) into its target: the files it reads are consecutive rows."""
+    r0, r1 = bisect.bisect_left(files, run.first), bisect.bisect_right(files, run.last)
     a, b = max(run.lo, lo), min(run.hi, hi)
-    if f0 > f1 or a >= b:
+    if r0 >= r1 or a >= b:
         return
-    n = run.hi - run.lo
+    f0, n = files[r0], run.hi - run.lo
     into = target[run.at : run.at + (run.last - run.first + 1) * n].reshape(-1, n)
-    into[f0 - run.first : f1 - run.first + 1, a - run.lo : b - run.lo] = window[f0 - w0 : f1 - w0 + 1, a - lo : b - lo]
+    into[f0 - run.first : f0 - run.first + r1 - r0, a - run.lo : b - run.lo] = window[r0:r1, a - lo : b - lo]
 
 
 def _corrupted(group: _Group, position: int, lo: int, hi: int) -> NoReturn:
