@@ -391,3 +391,39 @@ def test_a_pickle_that_asks_numpy_for_a_huge_array_is_refused_before_anything_is
         load_restricted(tmp_path / "crafted.pt", str(tmp_path / "crafted.pt"))
     torch.save({"callbacks": {"state": np.arange(5.0)}}, tmp_path / "honest.pt")  # numpy's own pickle still loads
     assert load_restricted(tmp_path / "honest.pt", "honest")["callbacks"]["state"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def _with_a_short_record(path: Path, out: Path, record: str, keep: int) -> None:
+    """Rewrite the ``torch.save`` archive ``path`` as ``out`` (as torch writes archives) with its record ``record``
+    cut to its first ``keep`` bytes: the pickle still claims the whole storage."""
+    import zipfile
+
+    writer = torch._C.PyTorchFileWriter(str(out))
+    with zipfile.ZipFile(path) as archive:
+        for name in archive.namelist():
+            inside = name.split("/", 1)[1]
+            if inside == ".data/serialization_id":
+                continue  # the writer adds its own
+            data = archive.read(name)[:keep] if inside == record else archive.read(name)
+            writer.write_record(inside, data, len(data))
+    writer.write_end_of_file()
+
+
+def test_a_ckpt_whose_pickle_claims_more_bytes_than_a_record_holds_is_refused_naming_it(tmp_path: Path) -> None:
+    """A memory-mapped ``.ckpt`` whose pickle claims a storage larger than its record would read the next record's
+    bytes as that tensor's (torch checks the sizes only when it reads records into memory): refused by convert and
+    by ``fabric.load_raw``'s reader, naming the file and the storage."""
+    from lightning_shard.checkpoint.foreign.convert import convert
+    from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
+
+    state = {"state_dict": {"a": torch.arange(1000.0), "b": torch.arange(5000.0)}, "epoch": 0, "global_step": 0}
+    torch.save(state, tmp_path / "honest.ckpt")
+    _with_a_short_record(tmp_path / "honest.ckpt", tmp_path / "short.ckpt", "data/0", 16)
+    message = r"short\.ckpt.* is damaged: its pickle claims 4000 bytes for the storage '0', whose record holds 16 bytes"
+    with pytest.raises(CheckpointError, match=message):
+        convert(tmp_path / "short.ckpt", tmp_path / "out")
+    with pytest.raises(CheckpointError, match=message):
+        load_restricted(tmp_path / "short.ckpt", str(tmp_path / "short.ckpt"), mmap=True)
+    assert not (tmp_path / "out").exists()
+    assert torch.equal(load_restricted(tmp_path / "honest.ckpt", "honest", mmap=True)["state_dict"]["b"],
+                       torch.arange(5000.0))

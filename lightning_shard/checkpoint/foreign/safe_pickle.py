@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 import re
 import zipfile
 from collections.abc import Callable
@@ -104,6 +105,8 @@ def load_restricted(source: Path | bytes, what: str, mmap: bool = False) -> Any:
     types = lightning_types()
     with torch.serialization.safe_globals(types):
         _refuse_unsafe_globals(source, what)
+        if mmap and isinstance(source, Path):  # torch checks each record's size only when it reads it into memory
+            _check_record_sizes(source, what)
         try:
             if isinstance(source, Path):
                 return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
@@ -121,6 +124,86 @@ def load_restricted(source: Path | bytes, what: str, mmap: bool = False) -> Any:
             raise CheckpointError(f"{what} is refused: {err}") from None
         except (RuntimeError, ValueError, EOFError, zipfile.BadZipFile, OSError, MemoryError) as err:
             raise CheckpointError(f"{what} cannot be read as a torch.save file: {_first_line(err)}") from None
+
+
+def _check_record_sizes(path: Path, what: str) -> None:
+    """Refuse a ``torch.save`` archive whose pickle claims a storage of another size than its record holds: a
+    memory-mapped load would read the bytes of other records, or past the file, as that tensor's."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{what} holds {len(pickles)} data.pkl pickles; a torch.save archive holds one.")
+            prefix = pickles[0][: -len("data.pkl")]
+            sizes = {info.filename: info.file_size for info in archive.infolist()}
+            claimed = _claimed_storages(archive.read(pickles[0]))
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise CheckpointError(f"{what} is not a torch.save archive that can be read: {_first_line(err)}") from None
+    for key, nbytes in claimed.items():
+        record = f"{prefix}data/{key}"
+        if sizes.get(record) != nbytes:
+            raise CheckpointError(
+                f"{what} is damaged: its pickle claims {nbytes} bytes for the storage {key!r}, whose record holds"
+                f" {sizes.get(record, 'no')} bytes."
+            )
+
+
+def _claimed_storages(data: bytes) -> dict[str, int]:
+    """The bytes the pickle ``data`` of a ``torch.save`` archive claims for each storage it refers to (its persistent
+    ids ``("storage", <storage class>, key, location, numel)``), found by walking its opcodes: nothing is built or
+    called."""
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[Any, Any] = {}
+    claimed: dict[str, int] = {}
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "MARK":
+            marks.append(len(stack))
+        elif op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+            memo[arg if op.name != "MEMOIZE" else len(memo)] = stack[-1] if stack else None
+        elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            stack.append(memo.get(arg))
+        elif op.name == "GLOBAL":
+            stack.append(_Global(str(arg).replace(" ", ".")))
+        elif op.name == "STACK_GLOBAL":
+            qualname, module = stack.pop(), stack.pop()
+            stack.append(_Global(f"{module}.{qualname}"))
+        elif op.name == "TUPLE":
+            start = marks.pop()
+            stack[start:] = [tuple(stack[start:])]
+        elif op.name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            n = int(op.name[-1])
+            stack[len(stack) - n :] = [tuple(stack[len(stack) - n :])]
+        elif op.name == "BINPERSID":
+            pid = stack.pop()
+            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                claimed[str(pid[2])] = int(pid[4]) * _itemsize(pid[1])
+            stack.append(None)
+        elif op.arg is not None and not op.stack_before and len(op.stack_after) == 1:
+            stack.append(arg)  # a literal: a string, a number
+        else:  # anything else: what it takes off the stack, and a stand-in for what it puts there
+            before = op.stack_before
+            if pickletools.markobject in before:
+                del stack[marks.pop() :]
+                before = before[: before.index(pickletools.markobject)]
+            del stack[len(stack) - len(before) :]
+            stack.extend([None] * len(op.stack_after))
+    return claimed
+
+
+class _Global(str):
+    """A global a pickle names, by its dotted name."""
+
+
+def _itemsize(storage_class: Any) -> int:
+    """The bytes of one element of the storage class a persistent id names (``torch.FloatStorage``: 4)."""
+    name = str(storage_class).rpartition(".")[2]
+    by_name = {storage: dtype for dtype, storage in torch.storage._dtype_to_storage_type_map().items()}
+    if name == "UntypedStorage":
+        return 1
+    if name not in by_name:
+        raise ValueError(f"a storage of the unknown class {storage_class}")
+    return by_name[name].itemsize
 
 
 def _refuse_unsafe_globals(source: Path | bytes, what: str) -> None:
