@@ -163,11 +163,10 @@ def _export_lightning(args: argparse.Namespace) -> int:
 def _export_dcp(args: argparse.Namespace) -> int:
     from lightning_shard.checkpoint.tools.dcp_export import export_dcp
 
-    hf_only = _given(args, "--prefix", "--dtype", "--config", "--max-shard-size", "--weights", "--adapter-config",
-                     "--base")
-    if hf_only:
-        print(f"lightning-shard: {', '.join(hf_only)} only apply to --format hf; a DCP export writes the whole"
-              " checkpoint as it is.", file=sys.stderr)
+    given = _given(args, *_EXPORT_OPTION_DEFAULTS)
+    if given:
+        print(f"lightning-shard: {', '.join(given)} do not apply to --format dcp, which writes the whole checkpoint as"
+              " it is.", file=sys.stderr)
         return 2
     result = export_dcp(args.checkpoint_dir, args.output_dir, overwrite=args.overwrite)
     print(f"wrote {result.tensors} model tensors and {result.optimizers} optimizer states to {result.output_dir}")

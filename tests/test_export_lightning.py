@@ -66,3 +66,6 @@ def test_options_of_other_formats_are_refused(tmp_path: Path, capsys: pytest.Cap
     assert main(["export", str(ckpt), str(tmp_path / "out.ckpt"), "--format", "lightning", "--dtype", "bfloat16"]) == 2
     assert "--dtype do not apply to --format lightning" in capsys.readouterr().err
     assert not (tmp_path / "out.ckpt").exists()
+    assert main(["export", str(ckpt), str(tmp_path / "dcp"), "--format", "dcp", "--adapter-name", "default"]) == 2
+    assert "--adapter-name do not apply to --format dcp" in capsys.readouterr().err  # was accepted and ignored
+    assert not (tmp_path / "dcp").exists()
