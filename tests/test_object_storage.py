@@ -425,3 +425,8 @@ def test_storage_options_must_be_a_dict() -> None:
 
     with pytest.raises(TypeError, match="storage_options must be a dict of fsspec options or None, got str"):
         ShardStrategy(storage_options="anon")  # type: ignore[arg-type]
+
+
+def test_storage_options_beside_a_remote_directory_are_refused_not_ignored() -> None:
+    with pytest.raises(TypeError, match="storage_options were given with memory://runs/x, a RemoteDirectory"):
+        load_checkpoint(RemoteDirectory("memory://runs/x"), torch.nn.Linear(2, 2), storage_options={"anon": True})

@@ -87,8 +87,8 @@ def load_checkpoint(
     ``fabric.save`` of another strategy keeps the module and optimizers). ``optimizers`` must be all the checkpoint
     holds, in order, or none. A URL (``s3://...``, with ``storage_options`` for its file system) is read as a
     checkpoint directory, each rank reading only its byte ranges. Collective."""
-    engine = _engine(module, "load_checkpoint")
     target = _target(path, storage_options)
+    engine = _engine(module, "load_checkpoint")
     source = agree(lambda: open_checkpoint(target, module_key, optimizer_keys))
     values = source.trainer_state()
     for key in TRAINER_PLACEHOLDERS:
@@ -103,8 +103,14 @@ def load_checkpoint(
 
 
 def _target(path: str | os.PathLike[str] | RemoteDirectory, storage_options: dict[str, Any] | None) -> Location:
-    """Where ``path`` (rank 0's, for every rank) lives; a ``RemoteDirectory`` already is such a place."""
+    """Where ``path`` (rank 0's, for every rank) lives; a ``RemoteDirectory`` already is such a place, with its own
+    file system options (others given beside it are refused: they would not be used)."""
     if isinstance(path, RemoteDirectory):
+        if storage_options:
+            raise TypeError(
+                f"storage_options were given with {path}, a RemoteDirectory whose file system already has its own"
+                " options. Pass the URL as a string with these storage_options, or the RemoteDirectory alone."
+            )
         return path
     return location(broadcast_str(os.fspath(path)), storage_options)  # the same on every rank, errors too
 
