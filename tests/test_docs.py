@@ -168,6 +168,11 @@ def test_every_default_the_user_guide_states_is_the_codes() -> None:
     for parameters in fronts:
         left_out = set(parameters) - not_in_the_table - table.keys()
         assert not left_out, f"arguments the table leaves out: {sorted(left_out)}"
+    from lightning_shard.common.options import ShardOptions
+
+    for name, parsed in inspect.signature(ShardOptions.parse).parameters.items():  # what validates them
+        for parameters in fronts:
+            assert parameters[name].default == parsed.default, f"{name}: a front end defaults it otherwise"
     for name, cell in table.items():
         stated = _stated_value(cell)
         defaults = [parameters[name].default for parameters in fronts if name in parameters]
