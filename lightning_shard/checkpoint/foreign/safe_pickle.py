@@ -27,17 +27,7 @@ import torch
 
 from lightning_shard.checkpoint.format import CheckpointError
 
-_ZIP_MAGIC = b"PK\x03\x04"
 _MODULE_ALIASES = {"posix": "os", "nt": "os"}  # where os.system & co. pickle from
-
-
-def is_torch_zip(path: Path) -> bool:
-    """Whether ``path`` is a file that starts as the zip archive ``torch.save`` writes."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == _ZIP_MAGIC
-    except OSError:
-        return False
 
 
 def lightning_types() -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:

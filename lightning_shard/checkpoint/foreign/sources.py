@@ -50,7 +50,7 @@ def detect(path: Path) -> CheckpointKind:
     """What ``path`` holds, from its names and first bytes only; ``CheckpointError`` saying what was found when it
     is none of ``CheckpointKind``."""
     from lightning_shard.checkpoint.foreign.dcp import METADATA_FILE
-    from lightning_shard.checkpoint.foreign.safe_pickle import is_torch_zip
+    from lightning_shard.checkpoint.foreign.torch_files import is_torch_zip
 
     if path.is_dir():
         if (path / INDEX_FILE).exists():

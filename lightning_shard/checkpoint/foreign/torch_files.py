@@ -2,7 +2,7 @@
 full can run arbitrary code.
 
 ``is_pickle`` tells such a file from a safetensors one, so that a reader names it for what it is rather than
-reporting a damaged safetensors file.
+reporting a damaged safetensors file; ``is_torch_zip`` tells the zip archives the restricted reader takes.
 """
 
 from __future__ import annotations
@@ -21,3 +21,12 @@ def is_pickle(path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(4)
     return head.startswith(_ZIP_MAGIC) or head[:1] == _PICKLE_PROTO
+
+
+def is_torch_zip(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as the zip archive ``torch.save`` writes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _ZIP_MAGIC
+    except OSError:
+        return False
