@@ -46,7 +46,8 @@ from lightning_shard.checkpoint.io.files import CheckpointFiles
 from lightning_shard.checkpoint.io.layout import Piece, RowSplit, StoredTensor, check_piece, rows_per_shard
 
 _WINDOW_BYTES = 8 * 2**20  # read at once (files x bytes); more only where one piece of a version 1-2 file is larger
-_IN_PLACE_BYTES = 64 * 2**10  # pieces at least this large are read straight into their targets
+_IN_PLACE_BYTES = 64 * 2**10  # pieces at least this large are read straight into their targets...
+_IN_PLACE_PARTS = 20_000  # ... and all pieces of a read of files x pieces up to this: a window is faster beyond
 
 
 class FileHandles:
@@ -301,18 +302,19 @@ def _add_run(
 
 
 def _read_group(group: _Group, runs: list[_Run], arrays: list[Any], pool: FileHandles, scratch: Any) -> None:
-    """The runs of ``group``. Runs of large pieces over the same files are read in place, file by file
-    (``_read_in_place``). The others are read through windows: their extents joined where they touch, each joined
-    span read from every file some of its runs need, in chunks that end on block boundaries, a window of files at a
-    time (in ``scratch``, unless one file's chunk is larger); each file's chunk is checked, then each run's bytes in
-    the window are copied out, one numpy copy a run."""
-    windowed = [run for run in runs if run.hi - run.lo < _IN_PLACE_BYTES]
-    for segment, end in _joined(sorted((r for r in runs if r.hi - r.lo >= _IN_PLACE_BYTES),
-                                       key=lambda r: (r.first, r.last, r.begin)), same_files=True):
-        if _apart(segment):
+    """The runs of ``group``. Runs over the same files whose extents touch are read in place, file by file
+    (``_read_in_place``), where their pieces are large or few. The others are read through windows: their extents
+    joined where they touch, each joined span read from every file some of its runs need, in chunks that end on
+    block boundaries, a window of files at a time (in ``scratch``, unless one file's chunk is larger); each file's
+    chunk is checked, then each run's bytes in the window are copied out, one numpy copy a run."""
+    windowed: list[_Run] = []
+    for segment, end in _joined(sorted(runs, key=lambda r: (r.first, r.last, r.begin)), same_files=True):
+        parts = (segment[0].last - segment[0].first + 1) * len(segment)
+        few = parts <= _IN_PLACE_PARTS or all(r.hi - r.lo >= _IN_PLACE_BYTES for r in segment)
+        if few and _apart(segment):
             for position in range(segment[0].first, segment[0].last + 1):
                 _read_in_place(group, position, segment, end, arrays, pool, scratch)
-        else:  # two targets of the same rows: through windows
+        else:  # many small pieces, or two targets of the same rows: through windows
             windowed += segment
     for segment, end in _joined(sorted(windowed, key=lambda r: r.begin), same_files=False):
         marks = [0] * (len(group.names) + 1)
