@@ -409,6 +409,46 @@ def load_into_shards(rank: int, world_size: int, path: str) -> dict[str, Any]:
             "next": full_params(engine)}
 
 
+def load_failing_on_rank_1(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """``load_checkpoint`` of a .ckpt whose reads fail on rank 1 only (its disk went away): the error, and whether
+    each rank's model still holds what it held before."""
+    from lightning_shard.checkpoint import load_checkpoint
+    from lightning_shard.checkpoint.foreign import lightning_ckpt
+    from lightning_shard.checkpoint.format import CheckpointError
+    from lightning_shard.engine import shard_model
+    from tests.models import MLPBlock, UnevenMLP
+
+    torch.manual_seed(1)
+    model = UnevenMLP()
+    shard_model(model, auto_wrap_policy={MLPBlock})
+    before = module_full_state(model, [])["params"]
+    original = lightning_ckpt._rows
+
+    def failing(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        if rank == 1:
+            raise OSError("Input/output error")
+        return original(tensor, start, stop)
+
+    lightning_ckpt._rows = failing
+    try:
+        load_checkpoint(path, model)
+        error = ""
+    except CheckpointError as err:
+        error = str(err)
+    finally:
+        lightning_ckpt._rows = original
+    after = module_full_state(model, [])["params"]
+    return {"error": error, "unchanged": all(torch.equal(value, after[name]) for name, value in before.items())}
+
+
+def test_a_ckpt_load_failing_on_one_rank_leaves_every_ranks_model_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "ddp.ckpt"
+    plain_steps_saved_as_ddp_would(path)
+    for r in run_on_ranks(load_failing_on_rank_1, 2, str(path)):
+        assert "rank 1: OSError: Input/output error" in r["error"], r["error"]
+        assert r["unchanged"]
+
+
 def test_load_checkpoint_reads_a_ddp_ckpt_each_rank_its_rows(tmp_path: Path) -> None:
     """Engine level: a .ckpt written by DDP (out-of-order parameter groups, a 0-dim parameter with per-element Adam
     state) fills 3 ranks' shards and optimizers, each rank reading only its rows of every tensor, and the next step

@@ -36,12 +36,17 @@ def load_foreign_model(
     """Copy this rank's rows of every parameter and every buffer from ``source`` into ``module``. Collective."""
     available = covered_keys(engine, set(source.model) | set(source.ties))
     result = check_model_keys(module, available, strict, str(source.where))
-    agree(lambda: _copy_model_rows(engine, module, source))
+    rows = agree(lambda: _model_rows(engine, module, source))
+    with torch.no_grad():  # once every rank has read everything (see [Note: a failed load changes nothing])
+        for target, value in rows:
+            target.copy_(value.reshape(target.shape))
     engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
     return result
 
 
-def _copy_model_rows(engine: ShardedModule, module: nn.Module, source: ForeignCheckpoint) -> None:
+def _model_rows(engine: ShardedModule, module: nn.Module, source: ForeignCheckpoint) -> list[tuple[Tensor, Tensor]]:
+    """This rank's rows of every parameter and buffer ``source`` holds, read (nothing of the model is written yet),
+    each with the tensor of the model it goes to."""
     stored = {**{alias: source.model[key] for alias, key in source.ties.items() if key in source.model},
               **source.model}
     plan = [(key, p) for p in engine.sharded_params() if (key := next((f for f in p.fqns if f in stored), None))]
@@ -52,11 +57,8 @@ def _copy_model_rows(engine: ShardedModule, module: nn.Module, source: ForeignCh
                 if (m := check_loadable(k, stored[k].shape, stored[k].dtype, shape, dtype))]
     if problems:  # before anything is read
         raise CheckpointError(f"{source.where} does not match the model's shapes: " + "; ".join(problems))
-    with torch.no_grad():
-        for key, p in plan:  # one tensor's rows at a time
-            p.sharded.copy_(stored[key].read(p.first_row, p.first_row + p.local_rows).reshape(p.sharded.shape))
-        for key, buffer in buffers:
-            buffer.copy_(stored[key].read_all().reshape(buffer.shape))
+    rows = [(p.sharded, stored[key].read(p.first_row, p.first_row + p.local_rows)) for key, p in plan]
+    return rows + [(buffer, stored[key].read_all()) for key, buffer in buffers]
 
 
 def load_foreign_optimizers(
