@@ -161,24 +161,33 @@ def main() -> None:
     if args.engine:
         run_engine(args.engine, args.out)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no MALLOC_* variables: each engine's own allocator settings
     runs: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
-    for _ in range(args.repeats):
-        for engine in ENGINES:
-            with tempfile.TemporaryDirectory() as out:
-                subprocess.run([sys.executable, __file__, "--engine", engine, "--out", out], env=env, check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-                ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-            runs[engine].append({
-                "step_time": max(r["step_time"] for r in ranks),
-                **{f"{phase}_time": max(r[f"{phase}_time"] for r in ranks) for phase in PHASES},
-                "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
-                "bytes_per_step": max(r["bytes_per_step"] for r in ranks),
-            })
+    for engine, ranks in run_alternating(__file__, ENGINES, args.repeats):
+        runs[engine].append({
+            "step_time": max(r["step_time"] for r in ranks),
+            **{f"{phase}_time": max(r[f"{phase}_time"] for r in ranks) for phase in PHASES},
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+            "bytes_per_step": max(r["bytes_per_step"] for r in ranks),
+        })
     table = _table(runs)
     print(table)
     if not args.no_write:
         _write(table, runs)
+
+
+def run_alternating(script: str, engines: list[str], repeats: int) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Run ``script --engine E --out DIR`` for each engine in turn, ``repeats`` times, each in fresh processes with one
+    thread per rank (and no MALLOC_* variables: each engine's own allocator settings); every run's per-rank results
+    (``DIR/rank*.json``), in run order."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    results = []
+    for _ in range(repeats):
+        for engine in engines:
+            with tempfile.TemporaryDirectory() as out:
+                subprocess.run([sys.executable, script, "--engine", engine, "--out", out], env=env, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+                results.append((engine, [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]))
+    return results
 
 
 def _median(runs: list[dict[str, float]], key: str) -> float:

@@ -27,6 +27,7 @@ from lightning_shard.engine.policies import (
     SizeWrapPolicy,
 )
 from lightning_shard.engine.stall import StalledRanksError
+from lightning_shard.engine.tensor_parallel import hf_tensor_parallel_plan
 from lightning_shard.engine.wrapping import mark_unit
 from lightning_shard.fabric import ShardStrategy as _FabricShardStrategy
 from lightning_shard.generation import generate
@@ -70,6 +71,7 @@ __all__ = [
     "export_lightning",
     "export_peft",
     "generate",
+    "hf_tensor_parallel_plan",
     "inspect",
     "load_from_checkpoint",
     "load_safetensors_into",

@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--optimizer", default="adamw")
     e.add_argument("--cpu-offload", action="store_true", help="model state in CPU memory (cpu_offload=True)")
     e.add_argument("--backend", default="nccl", help="the process group's backend: nccl (GPUs) or gloo (CPUs)")
+    e.add_argument("--tensor-parallel-size", type=_world_size, default=1,
+                   help="ranks splitting each layer by the model's tensor-parallel plan (a Hugging Face config's, or"
+                   " --tensor-parallel-plan's); the data-parallel ranks are WORLD_SIZE / this")
+    e.add_argument("--tensor-parallel-plan", default=None,
+                   help="module:callable returning the plan for parallelize_module (a dict of parallel styles)")
     x = commands.add_parser(
         "export", help="write a checkpoint in another layout: Hugging Face (hf), peft adapters (peft), DCP (dcp), one"
         " Lightning .ckpt file (lightning)"
@@ -216,11 +221,18 @@ def _estimate(args: argparse.Namespace) -> int:
     factory = _load_callable(args.factory, "model factory")
     if factory is None:
         return 2
+    plan = None
+    if args.tensor_parallel_plan is not None:
+        plan_factory = _load_callable(args.tensor_parallel_plan, "tensor-parallel plan")
+        if plan_factory is None:
+            return 2
+        plan = plan_factory()
     with torch.device("meta"):
         model = factory()
     try:
         report = estimate_memory(model, args.world_size, args.sharding_strategy, args.precision, args.optimizer,
-                                 auto_wrap_policy=args.wrap, cpu_offload=args.cpu_offload, backend=args.backend)
+                                 auto_wrap_policy=args.wrap, cpu_offload=args.cpu_offload, backend=args.backend,
+                                 tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_plan=plan)
     except ValueError as err:  # an option the estimate refuses: its message names the valid values
         print(f"lightning-shard: {err}", file=sys.stderr)
         return 2

@@ -46,9 +46,10 @@ def _read(source: ShardDirectory, engine: ShardedModule, into: AveragedTensors) 
         key = next((ties.get(f, f) for f in p.fqns if ties.get(f, f) in entries), None)
         if key is None:
             raise CheckpointError(f"{source.path} holds no averaged weights for {name!r}.")
-        _check(source, key, entries[key].shape, tuple(p.global_shape))
+        _check(source, key, entries[key].shape, tuple(p.full_shape))
         wanted.append(key)
-        reads.add(entries[key], p.first_row, p.first_row + p.local_rows, into.tensors[name])
+        start, stop, columns = p.rows_in_full()
+        reads.add(entries[key], start, stop, into.tensors[name], columns)
         done.update(p.fqns)
     for name, tensor in into.tensors.items():  # buffers: whole
         if name in done:

@@ -19,6 +19,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.mesh import ShardMesh, build_shard_mesh, mesh_shape
@@ -94,22 +95,40 @@ def start_mesh(
     num_processes: int,
     device: torch.device,
     backend: str,
-) -> ShardMesh:
-    """Initialise the process group (unless one exists) and build this rank's ``(replicas, shard_size)`` mesh.
+) -> tuple[ShardMesh, DeviceMesh | None]:
+    """Initialise the process group (unless one exists) and build this rank's ``(replicas, shard_size)`` mesh, and
+    with ``tensor_parallel_size > 1`` the ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` a tensor-parallel
+    plan is applied on (see [Note: the data-parallel ranks under tensor parallelism]).
 
-    The mesh is validated on every rank before any collective, so a bad ``device_mesh`` cannot hang the others;
-    ``HYBRID_SHARD`` without one shards inside a node and replicates across nodes, ``(num_nodes, num_processes)``.
+    The meshes are validated on every rank before any collective, so bad sizes cannot hang the others;
+    ``HYBRID_SHARD`` without ``device_mesh`` shards inside a node and replicates across nodes: ``(num_nodes,
+    num_processes / tensor_parallel_size)``.
     """
+    world, tp = num_nodes * num_processes, options.tensor_parallel_size
+    data_parallel = options.data_parallel_size or world // tp
+    if world % tp or data_parallel * tp != world:
+        raise ValueError(
+            f"data_parallel_size={options.data_parallel_size or 'auto'} x tensor_parallel_size={tp} must equal the"
+            f" world size {world} (num_nodes={num_nodes} x devices={num_processes}). Choose sizes whose product is"
+            f" {world}, or leave data_parallel_size='auto' with a tensor_parallel_size that divides {world}."
+        )
     device_mesh = options.device_mesh
     if options.sharding_strategy is ShardingStrategy.HYBRID_SHARD and device_mesh is None:
-        device_mesh = (num_nodes, num_processes)
-    mesh_shape(options.sharding_strategy, num_nodes * num_processes, device_mesh)
+        device_mesh = (num_nodes, data_parallel // num_nodes) if data_parallel % num_nodes == 0 else None
+    mesh_shape(options.sharding_strategy, data_parallel, device_mesh)
     owns = init_process_group(cluster_environment, backend, options.timeout, device)
     start_publishing(
         dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), options.timeout
     )
-    mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend)
+    tensor_parallel_mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        tensor_parallel_mesh = init_device_mesh(
+            device.type, (data_parallel, tp), mesh_dim_names=("data_parallel", "tensor_parallel")
+        )
+    mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend, tensor_parallel_size=tp)
     if owns:
         for group in mesh.owned_groups:
             bound_waits(options.timeout, group)
-    return mesh
+    return mesh, tensor_parallel_mesh

@@ -63,6 +63,8 @@ class ShardOptions:
     cpu_allocator: CpuAllocator
     timeout: timedelta  # how long any rank waits in one collective before StalledRanksError
     process_group_backend: str | None
+    tensor_parallel_size: int = 1  # see [Note: the data-parallel ranks under tensor parallelism]
+    data_parallel_size: int | None = None  # None: "auto", the world size / tensor_parallel_size
 
     @classmethod
     def parse(
@@ -86,6 +88,8 @@ class ShardOptions:
         use_orig_params: bool = True,
         limit_all_gathers: bool = True,
         sync_module_states: bool = True,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int | Literal["auto"] = "auto",
     ) -> ShardOptions:
         """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values.
 
@@ -116,6 +120,11 @@ class ShardOptions:
                 " (precision='bf16-mixed' on the Trainer or Fabric)."
             )
         strategy = ShardingStrategy.parse(sharding_strategy_name(sharding_strategy))
+        if tensor_parallel_size != 1 and StateDictType.parse(state_dict_type) is StateDictType.FULL:
+            raise ValueError(
+                "state_dict_type='full' is not available with tensor_parallel_size > 1 yet: use 'sharded' (every"
+                " tensor is stored whole, loadable at any size) and `lightning-shard consolidate` for one file."
+            )
         return cls(
             sharding_strategy=strategy,
             wrap_policy=resolve_wrap_policy(auto_wrap_policy),
@@ -133,7 +142,17 @@ class ShardOptions:
             cpu_allocator=CpuAllocator.parse(cpu_allocator),
             timeout=_parse_timeout(timeout),
             process_group_backend=_parse_backend(process_group_backend),
+            tensor_parallel_size=_positive_int(tensor_parallel_size, "tensor_parallel_size"),
+            data_parallel_size=None if data_parallel_size == "auto" else _positive_int(
+                data_parallel_size, "data_parallel_size", "or 'auto'"
+            ),
         )
+
+
+def _positive_int(value: object, name: str, other: str = "") -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError(f"{name} must be a positive int{' ' + other if other else ''}, got {value!r}.")
 
 
 def _parse_device_mesh(device_mesh: object) -> tuple[int, int] | None:
@@ -247,6 +266,10 @@ class ShardOptionsMixin:
     @property
     def cpu_allocator(self) -> CpuAllocator:
         return self.options.cpu_allocator
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.options.tensor_parallel_size
 
 
 def _checkpointing_policy(

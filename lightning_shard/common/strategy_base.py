@@ -4,7 +4,7 @@ Fabric, so this is a mixin placed before it in each front end's class."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
@@ -14,6 +14,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from lightning_shard.common.distributed import barrier, broadcast_object, start_mesh
 from lightning_shard.common.options import ShardOptionsMixin, check_backend_for_device
 from lightning_shard.engine.mesh import ShardMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 T = TypeVar("T")
 
@@ -31,6 +34,7 @@ class ShardStrategyMixin(ShardOptionsMixin):
     # Set by the front end's constructor.
     _process_group_backend: str | None
     _mesh: ShardMesh | None
+    _tensor_parallel_mesh: DeviceMesh | None = None
 
     @property
     def root_device(self) -> torch.device:
@@ -43,7 +47,22 @@ class ShardStrategyMixin(ShardOptionsMixin):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """Data split over the data-parallel ranks: the ranks of one tensor-parallel group see the same batches."""
+        tp = self.options.tensor_parallel_size
+        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` (as ``ModelParallelStrategy``'s) that a
+        tensor-parallel plan is applied on, with ``tensor_parallel_size > 1``; exists once the processes are set up."""
+        if self._tensor_parallel_mesh is None:
+            if self.options.tensor_parallel_size == 1:
+                raise RuntimeError(
+                    "ShardStrategy has a ('data_parallel', 'tensor_parallel') device mesh only with"
+                    " tensor_parallel_size > 1; the sharding layout is strategy.mesh."
+                )
+            raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
+        return self._tensor_parallel_mesh
 
     @property
     def process_group_backend(self) -> str | None:
@@ -75,7 +94,7 @@ class ShardStrategyMixin(ShardOptionsMixin):
         self._process_group_backend = backend
         check_backend_for_device(backend, self.root_device.type)
         assert self.cluster_environment is not None
-        self._mesh = start_mesh(
+        self._mesh, self._tensor_parallel_mesh = start_mesh(
             self.options, self.cluster_environment, self.num_nodes, self.num_processes, self.root_device, backend
         )
 

@@ -51,6 +51,7 @@ def shard_model(
     cpu_offload: bool = False,
     param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
     cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
+    tensor_parallel_size: int = 1,
 ) -> ShardedModule:
     """Shard ``model`` in place over the default process group, as the Lightning strategies do; return its engine.
 
@@ -63,6 +64,11 @@ def shard_model(
     arguments mean what the strategies' arguments of the same names mean; ``device`` defaults to
     ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. The process group must exist
     (``torch.distributed.init_process_group``, e.g. under ``torchrun``).
+
+    With ``tensor_parallel_size = T > 1``, apply the tensor-parallel plan first, on the ``"tensor_parallel"``
+    dimension of ``init_device_mesh(device, (world // T, T), mesh_dim_names=("data_parallel",
+    "tensor_parallel"))``: each rank's part of every ``DTensor`` parameter is then sharded over the data-parallel
+    ranks (see [Note: DTensor parameters in the engine]).
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -77,7 +83,7 @@ def shard_model(
     device = torch.device(device)
     strategy = ShardingStrategy.parse(sharding_strategy)
     init = ParamInit.parse(param_init)
-    mesh = build_shard_mesh(strategy, device_mesh, dist.get_backend())
+    mesh = build_shard_mesh(strategy, device_mesh, dist.get_backend(), tensor_parallel_size)
     offload = cpu_offload and device.type != "cpu"
     policy = resolve_wrap_policy(auto_wrap_policy)
     allocator = CpuAllocator.parse(cpu_allocator)

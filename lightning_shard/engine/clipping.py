@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.mesh import ShardMesh
@@ -27,16 +28,31 @@ def clip_grad_norm_(
 
 
 def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.device, norm_type: float = 2.0) -> Tensor:
-    """The norm of the gradients of ``shards`` over every rank's rows (one all-reduce; the same on every rank)."""
+    """The norm of the gradients of ``shards`` over every rank's rows (one all-reduce; the same on every rank). Under
+    tensor parallelism each tensor-parallel part counts once (a second all-reduce, over the tensor-parallel group)."""
     shards = list(shards)
-    grads = [p.grad for p in shards if p.grad is not None]
-    total = _local_norm_term(grads, norm_type, device, _norm_dtype(shards))
-    if mesh.shard_group is not None:
-        if math.isinf(norm_type):
-            collectives.all_reduce_max(total, mesh.shard_group)
-        else:
-            collectives.all_reduce_sum(total, mesh.shard_group)
+    dtype = _norm_dtype(shards)
+    if not mesh.tensor_parallel_parts:
+        total = _local_norm_term([p.grad for p in shards if p.grad is not None], norm_type, device, dtype)
+        _reduce(total, mesh.shard_group, norm_type)
+    else:  # parts of tensor-parallel parameters, then everything every tensor-parallel rank holds alike
+        parts = [p.grad for p in shards if p.grad is not None and id(p) in mesh.tensor_parallel_parts]
+        alike = [p.grad for p in shards if p.grad is not None and id(p) not in mesh.tensor_parallel_parts]
+        terms = torch.stack([_local_norm_term(parts, norm_type, device, dtype),
+                             _local_norm_term(alike, norm_type, device, dtype)])
+        _reduce(terms, mesh.shard_group, norm_type)
+        split = terms[0].clone()
+        _reduce(split, mesh.tensor_parallel_group, norm_type)
+        total = torch.maximum(split, terms[1]) if math.isinf(norm_type) else split + terms[1]
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def _reduce(terms: Tensor, group: ProcessGroup | None, norm_type: float) -> None:
+    if group is not None:
+        if math.isinf(norm_type):
+            collectives.all_reduce_max(terms, group)
+        else:
+            collectives.all_reduce_sum(terms, group)
 
 
 def clip_grads_with_norm_(shards: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:

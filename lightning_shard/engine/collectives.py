@@ -271,7 +271,7 @@ def all_reduce_max(tensor: Tensor, group: ProcessGroup | None) -> None:
         wait_for(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True))
 
 
-def broadcast_from_rank0(tensor: Tensor) -> None:
-    """Overwrite ``tensor`` on every rank with global rank 0's values."""
+def broadcast_from_rank0(tensor: Tensor, group: ProcessGroup | None = None) -> None:
+    """Overwrite ``tensor`` on every rank of ``group`` (``None``: all ranks) with the values of the group's rank 0."""
     with watching(RECORD.enter("broadcast from rank 0")):
-        wait_for(dist.broadcast(tensor, src=0, async_op=True))
+        wait_for(dist.broadcast(tensor, group=group, group_src=0, async_op=True))

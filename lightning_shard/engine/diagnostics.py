@@ -15,3 +15,17 @@ def warn_rank0(message: str, stacklevel: int = 3) -> None:
     """``warnings.warn(message)`` (a ``UserWarning``) on global rank 0."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
         warnings.warn(message, UserWarning, stacklevel=stacklevel)
+
+
+def warn_nothing_initialises(modules: list[str]) -> None:
+    """Name, once at set-up, the modules whose meta-device parameters nothing initialises (see [Note: parameters
+    nothing initialises]). Not given with ``param_init="empty"``, which asks for exactly that."""
+    warn_rank0(
+        "These modules own parameters built on the meta device but have no reset_parameters(), so nothing"
+        " initialises them: " + ", ".join(modules) + ". Their shards hold uninitialised memory, and a forward"
+        " raises until weights are loaded. Load the weights before the first forward (load_safetensors_into(),"
+        " e.g. from on_fit_start, or fabric.load_raw() after setup_module), give these modules a"
+        " reset_parameters(), or pass param_init='empty' if the whole model is loaded (it initialises nothing"
+        " and does not warn).",
+        stacklevel=4,
+    )

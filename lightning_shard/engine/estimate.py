@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from lightning_shard.engine.mixed_precision import check_precision, mixed_precis
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units
 from lightning_shard.engine.policies import ShardingStrategy, WrapPolicySpec, resolve_wrap_policy
+from lightning_shard.engine.tensor_parallel import hf_tensor_parallel_plan, planned_local_shapes
 
 _STATE_TENSORS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}  # per-parameter tensors of the param's shape
 Backend = Literal["nccl", "gloo"]
@@ -122,12 +123,26 @@ def estimate_memory(
     device_mesh: tuple[int, int] | None = None,
     cpu_offload: bool = False,
     backend: Backend = "nccl",
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: dict[str, Any] | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes of parameter shards, gradient shards, optimizer state, gathered units and the step's gradient
     reduction buffers for ``model``; with ``cpu_offload`` the model state is counted as CPU memory and only the step's
     buffers as device memory. ``backend``: the process group's, ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs), whose
-    collectives hold different buffers (see [Note: what a step holds beside the model state])."""
+    collectives hold different buffers (see [Note: what a step holds beside the model state]).
+
+    With ``tensor_parallel_size = T > 1`` the data-parallel ranks are ``world_size / T`` and the parameters the
+    ``tensor_parallel_plan`` (as ``parallelize_module`` takes it; by default the plan a Hugging Face model's config
+    carries) splits count with their local shapes."""
     strategy = ShardingStrategy.parse(sharding_strategy)
+    local_shapes: dict[int, torch.Size] = {}
+    if tensor_parallel_size != 1:
+        if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide world_size={world_size}.")
+        if tensor_parallel_plan is None:
+            tensor_parallel_plan = hf_tensor_parallel_plan(model)
+        local_shapes = planned_local_shapes(model, tensor_parallel_plan, tensor_parallel_size)
+        world_size //= tensor_parallel_size
     if optimizer not in _STATE_TENSORS:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Valid values are: {', '.join(_STATE_TENSORS)}.")
     if backend not in _BACKENDS:
@@ -144,7 +159,8 @@ def estimate_memory(
         unit_full = unit_grads = reduced = trainable = 0
         for use, param in owned:
             dtype = true_dtype or param.dtype
-            sp = ShardedParam(use.fqns, use.owners, param.shape, dtype, param.requires_grad, shard_size, 0)
+            shape = local_shapes.get(id(param), param.shape)
+            sp = ShardedParam(use.fqns, use.owners, shape, dtype, param.requires_grad, shard_size, 0)
             compute = (parse_dtype(mixed.param_dtype) if mixed else None) or dtype
             reduce = (parse_dtype(mixed.reduce_dtype) if mixed else None) or dtype
             params += sp.padded_shard_numel * dtype.itemsize

@@ -39,6 +39,7 @@ from lightning_shard.engine.compile import outside_compiled_code
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.progress import about
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
+from lightning_shard.engine.tensor_parallel import local_tensor
 from lightning_shard.engine.unit import BackwardState, UnitState
 
 _SUMMONED: set[int] = set()  # ids of the engines inside summon_full_params, on every rank (rank0_only or not)
@@ -167,7 +168,8 @@ def _gather_full_params(engine: ShardedModule, device: torch.device, keep: bool)
                 for p in unit.params:
                     tensor = engine.gather_full(p, p.sharded.detach().to(device))  # on device
                     if keep:
-                        full[id(p)] = nn.Parameter(tensor, requires_grad=p.sharded.requires_grad)
+                        face = tensor if p.tensor_parallel is None else p.tensor_parallel.face(tensor)
+                        full[id(p)] = nn.Parameter(face, requires_grad=p.sharded.requires_grad)
                     del tensor  # freed here where nothing keeps it, not at the next gather
     return full
 
@@ -207,7 +209,7 @@ def _write_back(engine: ShardedModule) -> None:
     held = [(p, _held_full(p)) for p in engine.sharded_params()]
     with torch.no_grad(), torch.inference_mode(False):
         for p, value in held:
-            p.copy_rows_from_full(value.detach())
+            p.copy_rows_from_full(local_tensor(value.detach()))
 
 
 def _held_full(p: ShardedParam) -> Tensor:
@@ -220,7 +222,7 @@ def _held_full(p: ShardedParam) -> Tensor:
             " summon_full_params(writeback=True), so there is no one value to write back. Change the tied"
             " parameter in place (or assign the same tensor under every name)."
         )
-    if first is None or first.shape != p.global_shape:
+    if first is None or local_tensor(first).shape != p.global_shape:
         shape = "nothing" if first is None else f"shape {tuple(first.shape)}"
         raise RuntimeError(
             f"{p.fqn} holds {shape} at the end of summon_full_params(writeback=True), not the parameter's full shape"

@@ -27,24 +27,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_shard.engine import collectives
 
 _BLOCKS = 64  # position-weighted blocks per tensor in the second checksum word
 
 
-def values_of_rank0(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
-    """``tensors`` as global rank 0 holds them. Collective over all ranks: one all-reduce of checksums, and a
-    broadcast (on ``device``) for each tensor that is not the same on every rank. A tensor that agrees comes back as
-    it is (the caller must not overwrite it in place); one that was broadcast is a new tensor on ``device``."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not tensors:
+def values_of_rank0(tensors: list[Tensor], device: torch.device, group: ProcessGroup | None = None) -> list[Tensor]:
+    """``tensors`` as rank 0 of ``group`` holds them (``None``: all ranks, global rank 0; under tensor parallelism the
+    data-parallel ranks of one column). Collective over the group: one all-reduce of checksums, and a broadcast (on
+    ``device``) for each tensor that is not the same on every rank. A tensor that agrees comes back as it is (the
+    caller must not overwrite it in place); one that was broadcast is a new tensor on ``device``."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or not tensors:
         return tensors
     sums = torch.stack([checksum(t) for t in tensors]).to(device)  # (k, 2)
     # ~c = -c - 1 reverses the order of int64 without overflow: the maximum of ~c is ~(the minimum of c).
     extremes = torch.cat([sums, torch.bitwise_not(sums)])
-    collectives.all_reduce_max(extremes, None)
+    collectives.all_reduce_max(extremes, group)
     agrees = (extremes[: len(tensors)] == torch.bitwise_not(extremes[len(tensors) :])).all(dim=1).tolist()
-    return [t if same else _broadcast_from_rank0(t, device) for t, same in zip(tensors, agrees)]
+    return [t if same else _broadcast_from_rank0(t, device, group) for t, same in zip(tensors, agrees)]
 
 
 def checksum(tensor: Tensor) -> Tensor:
@@ -67,9 +69,9 @@ def checksum(tensor: Tensor) -> Tensor:
     return torch.stack([total, weighted])
 
 
-def _broadcast_from_rank0(full: Tensor, device: torch.device) -> Tensor:
+def _broadcast_from_rank0(full: Tensor, device: torch.device, group: ProcessGroup | None) -> Tensor:
     on_device = full.detach().to(device).contiguous()
     if on_device.data_ptr() == full.data_ptr():
         on_device = on_device.clone()  # never overwrite the caller's tensor
-    collectives.broadcast_from_rank0(on_device)
+    collectives.broadcast_from_rank0(on_device, group)
     return on_device

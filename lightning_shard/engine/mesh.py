@@ -15,11 +15,22 @@ no new communicator for an axis that communicates), in the shape FSDP2 uses for 
 the 2-D mesh ``("replicate", "shard")`` of shape ``(replicas, shard_size)`` that ``device_mesh`` named. An
 axis of size 1 of that 2-D mesh has no group here, so this rank gets a group of its own for it, created
 locally (``use_local_synchronization``: no other rank takes part). It is built on first use, cached, rebuilt if
-the groups change (``ShardedModule.rebind_mesh``), and dropped with the groups it created by ``destroy()``. A
+the groups change (``ShardedModule.rebind_mesh``), and dropped with the groups it created by ``destroy()``.
+With tensor parallelism the mesh spans the data-parallel ranks of this rank's tensor-parallel coordinate (see
+[Note: the data-parallel ranks under tensor parallelism]), and its axes are groups of those ranks. A
 model outlives its run: the Trainer's teardown destroys the groups this mesh created, while state dicts may still be
 read after ``fit`` returned. A ``DTensor`` finds its groups by name, so a destroyed group is replaced by a new group
 of the same ranks, created by its members alone; state-dict reads are collective, so every member builds the mesh
 at the same point, in the same order (the replicate axis first).
+
+[Note: the data-parallel ranks under tensor parallelism]
+With ``tensor_parallel_size = T > 1`` the world is the 2-D mesh ``(data_parallel, tensor_parallel)`` that
+Lightning's ``ModelParallelStrategy`` builds: global rank ``g`` sits at data-parallel rank ``g // T`` and
+tensor-parallel rank ``g % T``. The tensor-parallel plan splits each layer over the ``T`` ranks of one row; the
+engine shards each rank's part over the ranks of its column, so a ``ShardMesh`` is the mesh above over those
+``world / T`` data-parallel ranks: ``rank`` and ``world_size`` count data-parallel ranks, its groups are groups of
+the column's global ranks (``global_rank``), and gradients are averaged over the column only. Initial values agree
+with data-parallel rank 0 of the column (every column holds other parts of the tensor-parallel parameters).
 """
 
 from __future__ import annotations
@@ -41,7 +52,9 @@ if TYPE_CHECKING:
 class ShardMesh:
     """This rank's place in the ``(replicas, shard_size)`` mesh and the process groups along each axis.
 
-    A group is ``None`` when its axis has size 1 (nothing to communicate).
+    A group is ``None`` when its axis has size 1 (nothing to communicate). With tensor parallelism, ``rank`` and
+    ``world_size`` count the data-parallel ranks of this rank's column (see [Note: the data-parallel ranks under
+    tensor parallelism]).
     """
 
     rank: int
@@ -55,6 +68,15 @@ class ShardMesh:
     # each), but this rank holds only a placeholder for them: no timeout to set, nothing to destroy.
     owned_groups: list[ProcessGroup] = field(default_factory=list)
     shard_backend: str | None = None  # the shard group's backend, recorded while the group is registered
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    # Every data-parallel rank of this column, when neither axis is all of them (HYBRID_SHARD under tensor
+    # parallelism); see ``data_parallel_group``.
+    hybrid_data_parallel_group: ProcessGroup | None = None
+    # The tensor-parallel group, and the sharded faces holding rows of one tensor-parallel part (ids), which the
+    # global gradient norm sums over that group; set by ``shard_module``.
+    tensor_parallel_group: ProcessGroup | None = None
+    tensor_parallel_parts: set[int] = field(default_factory=set)
     _device_mesh: _DeviceMeshCache | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -65,6 +87,22 @@ class ShardMesh:
     @property
     def replicate_rank(self) -> int:
         return self.rank // self.shard_size
+
+    def global_rank(self, data_parallel_rank: int) -> int:
+        """The global rank of data-parallel rank ``data_parallel_rank`` of this rank's column."""
+        return data_parallel_rank * self.tensor_parallel_size + self.tensor_parallel_rank
+
+    @property
+    def data_parallel_group(self) -> ProcessGroup | None:
+        """Every data-parallel rank of this rank's column (``None``: the default group, without tensor parallelism).
+        """
+        if self.tensor_parallel_size == 1:
+            return None
+        if self.replicas == 1:
+            return self.shard_group
+        if self.shard_size == 1:
+            return self.replicate_group
+        return self.hybrid_data_parallel_group
 
     def destroy(self) -> None:
         """Destroy the sub-groups this mesh created (never the default group)."""
@@ -119,8 +157,10 @@ class _DeviceMeshCache:
         from torch.distributed.device_mesh import DeviceMesh
 
         own: list[ProcessGroup] = []
-        row = list(range(mesh.replicate_rank * mesh.shard_size, (mesh.replicate_rank + 1) * mesh.shard_size))
-        column = list(range(mesh.shard_rank, mesh.world_size, mesh.shard_size))
+        first = mesh.replicate_rank * mesh.shard_size
+        row = [mesh.global_rank(r) for r in range(first, first + mesh.shard_size)]
+        column = [mesh.global_rank(r) for r in range(mesh.shard_rank, mesh.world_size, mesh.shard_size)]
+        world = dist.group.WORLD if mesh.tensor_parallel_size == 1 else None  # the default group is all the ranks
 
         def live(group: ProcessGroup | None, ranks: list[int]) -> ProcessGroup:
             """``group``, or a new group of ``ranks`` (this rank's row or column) if it has none (an axis of size 1)
@@ -132,14 +172,15 @@ class _DeviceMeshCache:
 
         match strategy:
             case ShardingStrategy.FULL_SHARD | ShardingStrategy.SHARD_GRAD_OP:
-                used = [live(mesh.shard_group or dist.group.WORLD, row)]
+                used = [live(mesh.shard_group or world, row)]
                 device_mesh = DeviceMesh.from_group(used[0], device_type, mesh_dim_names=("shard",))
             case ShardingStrategy.NO_SHARD:
-                used = [live(mesh.replicate_group or dist.group.WORLD, column)]
+                used = [live(mesh.replicate_group or world, column)]
                 device_mesh = DeviceMesh.from_group(used[0], device_type, mesh_dim_names=("replicate",))
             case ShardingStrategy.HYBRID_SHARD:
                 used = [live(mesh.replicate_group, column), live(mesh.shard_group, row)]
-                layout = torch.arange(mesh.world_size).view(mesh.replicas, mesh.shard_size)
+                layout = torch.tensor([mesh.global_rank(r) for r in range(mesh.world_size)])
+                layout = layout.view(mesh.replicas, mesh.shard_size)
                 device_mesh = DeviceMesh.from_group(
                     used, device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
                 )
@@ -194,29 +235,47 @@ def mesh_shape(strategy: ShardingStrategy, world_size: int, device_mesh: tuple[i
 
 
 def build_shard_mesh(
-    strategy: ShardingStrategy, device_mesh: tuple[int, int] | None, backend: str | None = None
+    strategy: ShardingStrategy,
+    device_mesh: tuple[int, int] | None,
+    backend: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> ShardMesh:
-    """Create the process groups of the mesh. Collective: every rank must call it, in the same order."""
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    replicas, shard_size = mesh_shape(strategy, world_size, device_mesh)
-    mesh = ShardMesh(rank, world_size, replicas, shard_size, shard_group=None, replicate_group=None)
+    """Create the process groups of the mesh (over the data-parallel ranks of this rank's tensor-parallel column when
+    ``tensor_parallel_size > 1``). Collective: every rank must call it, in the same order."""
+    world, global_rank = dist.get_world_size(), dist.get_rank()
+    tp = tensor_parallel_size
+    if tp < 1 or world % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world}.")
+    replicas, shard_size = mesh_shape(strategy, world // tp, device_mesh)
+    mesh = ShardMesh(global_rank // tp, world // tp, replicas, shard_size, shard_group=None, replicate_group=None,
+                     tensor_parallel_size=tp, tensor_parallel_rank=global_rank % tp)
+
+    def groups(members: list[list[int]], mine: int) -> ProcessGroup:
+        """Every rank creates every group (``new_group``'s rule), each column's in turn; returns this rank's group:
+        the one of ``members`` (data-parallel ranks, the same in every column) at ``mine`` in this rank's column."""
+        own: ProcessGroup | None = None
+        for column in range(tp):
+            for i, ranks in enumerate(members):
+                group = dist.new_group([r * tp + column for r in ranks], backend=backend)
+                if column == mesh.tensor_parallel_rank and i == mine:
+                    own = group
+                    mesh.owned_groups.append(group)
+        assert own is not None
+        return own
+
     if shard_size > 1:
-        if replicas == 1:
+        if replicas == 1 and tp == 1:
             mesh.shard_group = dist.group.WORLD
         else:
-            for row in range(replicas):  # every rank creates every group, in the same order (new_group's rule)
-                group = dist.new_group(list(range(row * shard_size, (row + 1) * shard_size)), backend=backend)
-                if row == mesh.replicate_rank:
-                    mesh.shard_group = group
-                    mesh.owned_groups.append(group)
+            rows = [list(range(row * shard_size, (row + 1) * shard_size)) for row in range(replicas)]
+            mesh.shard_group = groups(rows, mesh.replicate_rank)
     if replicas > 1:
-        if shard_size == 1:
+        if shard_size == 1 and tp == 1:
             mesh.replicate_group = dist.group.WORLD
         else:
-            for col in range(shard_size):
-                group = dist.new_group(list(range(col, world_size, shard_size)), backend=backend)
-                if col == mesh.shard_rank:
-                    mesh.replicate_group = group
-                    mesh.owned_groups.append(group)
+            columns = [list(range(col, world // tp, shard_size)) for col in range(shard_size)]
+            mesh.replicate_group = groups(columns, mesh.shard_rank)
+    if tp > 1 and replicas > 1 and shard_size > 1:
+        mesh.hybrid_data_parallel_group = groups([list(range(world // tp))], 0)
     mesh.shard_backend = dist.get_backend(mesh.shard_group) if mesh.shard_group is not None else None
     return mesh

@@ -10,6 +10,10 @@ may hold zero real rows when there are fewer rows than ranks). A 0-dim parameter
   sharded too.
 - The **unsharded** face is an ``nn.Parameter`` of the global shape, a view into the unit's flat
   unsharded buffer. The module holds it during forward; autograd accumulates its gradient.
+
+A parameter a tensor-parallel plan made a ``DTensor`` is sharded as its local tensor: ``global_shape`` is then the
+local tensor's shape, and the unsharded face is presented as the ``DTensor`` (see [Note: DTensor parameters in the
+engine] in ``tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+from lightning_shard.engine.tensor_parallel import TensorParallelLayout
 
 
 @dataclass
@@ -36,6 +42,7 @@ class ShardedParam:
     compute_dtype: torch.dtype | None = None  # dtype it is gathered and computed in; None: its own dtype
     gather_offset: int = 0  # byte offset of its padded chunk in one rank's part of the all-gather
     grad_offset: int = 0  # element offset of its padded chunk in one rank's part of the gradient reduction
+    tensor_parallel: TensorParallelLayout | None = None  # the plan's DTensor layout; global_shape is then the local's
     sharded: nn.Parameter = field(init=False, repr=False)
     unsharded: nn.Parameter = field(init=False, repr=False)
 
@@ -85,6 +92,25 @@ class ShardedParam:
     def numel(self) -> int:
         return math.prod(self.global_shape)
 
+    # Where its rows sit in the whole tensor (a tensor-parallel parameter's local tensor is one block of it) #
+
+    @property
+    def full_shape(self) -> torch.Size:
+        """The shape of the whole parameter: ``global_shape``, or the tensor-parallel plan's global shape."""
+        return self.tensor_parallel.global_shape if self.tensor_parallel is not None else self.global_shape
+
+    def rows_in_full(self) -> tuple[int, int, tuple[int, int] | None]:
+        """``(start, stop, columns)``: this rank's rows of the whole parameter are rows ``[start, stop)`` of it,
+        restricted to columns ``[columns[0], columns[1])`` when the tensor-parallel plan splits dim 1 (``None``: every
+        column)."""
+        first, stop = self.first_row, self.first_row + self.local_rows
+        tp = self.tensor_parallel
+        if tp is None or tp.shard_dim is None:
+            return first, stop, None
+        if tp.shard_dim == 0:
+            return tp.local_offset[0] + first, tp.local_offset[0] + stop, None
+        return first, stop, (tp.local_offset[1], tp.local_offset[1] + self.global_shape[1])
+
     # Faces #
 
     def bind_sharded(self, flat_sharded: Tensor) -> None:
@@ -106,8 +132,19 @@ class ShardedParam:
         """Create the unsharded ``nn.Parameter`` as a view of this parameter's region of the unit's byte buffer."""
         padded = self.unsharded_region(unsharded_bytes).view(self.gather_dtype)
         padded = padded.view(self.shard_size * self.rows_per_rank, *self.row_shape)
-        self.unsharded = nn.Parameter(padded[: self.rows].view(self.global_shape))
-        self.unsharded.requires_grad_(self.requires_grad)
+        self.unsharded = self.unsharded_face(padded[: self.rows].view(self.global_shape))
+
+    def unsharded_face(self, full: Tensor) -> nn.Parameter:
+        """``full`` (this parameter's gathered tensor) as the parameter the module computes with: itself, or the
+        tensor-parallel plan's ``DTensor`` over it."""
+        face = full if self.tensor_parallel is None else self.tensor_parallel.face(full)
+        return nn.Parameter(face, requires_grad=self.requires_grad)
+
+    def local_grad(self, grad: Tensor | None) -> Tensor | None:
+        """The gradient the module computed, as a plain tensor of ``global_shape`` (a ``DTensor``'s local part)."""
+        if grad is None or self.tensor_parallel is None:
+            return grad
+        return self.tensor_parallel.local_grad(grad)
 
     def unsharded_region(self, unsharded_bytes: Tensor) -> Tensor:
         """The ``shard_size * padded_gather_bytes`` bytes holding this parameter in full (param-major layout)."""

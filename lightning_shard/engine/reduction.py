@@ -53,7 +53,7 @@ def start_reduction(unit: ReducedUnit, async_op: bool) -> collectives.Pending:
     replica all-reduce; ``wait()`` on the result adds this rank's averaged rows to the shards' ``.grad``."""
     mesh = unit.mesh
     n, k = mesh.shard_size, len(unit.trainable)
-    grads = [p.unsharded.grad for p in unit.trainable]
+    grads = [p.local_grad(p.unsharded.grad) for p in unit.trainable]
     for p in unit.trainable:
         p.unsharded.grad = None
     if mesh.world_size == 1:  # nothing to average: the gradients become the shards' gradients as they are

@@ -88,12 +88,13 @@ from lightning_shard.engine.buffers import (
 )
 from lightning_shard.engine.compile import adopt_compiled_wrappers, outside_compiled_code
 from lightning_shard.engine.cpu_allocator import CpuAllocator, apply_cpu_allocator
-from lightning_shard.engine.diagnostics import warn_rank0
+from lightning_shard.engine.diagnostics import warn_nothing_initialises
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision, cast_normalization_inputs, parse_dtype
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units, without_reset_parameters
 from lightning_shard.engine.policies import ParamInit, ShardingStrategy, WrapPolicy
+from lightning_shard.engine.tensor_parallel import local_tensor, note_tensor_parallel_parts, tensor_parallel_layout
 from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
 from lightning_shard.engine.wrapping import refuse_foreign_sharding
 
@@ -286,7 +287,9 @@ class ShardedModule:
 
     def rebind_mesh(self, mesh: ShardMesh) -> None:
         """Use ``mesh``'s process groups from now on (the shards stay); the layout must be the same."""
-        if (mesh.replicas, mesh.shard_size, mesh.rank) != (self.mesh.replicas, self.mesh.shard_size, self.mesh.rank):
+        if (mesh.replicas, mesh.shard_size, mesh.rank, mesh.tensor_parallel_size) != (
+            self.mesh.replicas, self.mesh.shard_size, self.mesh.rank, self.mesh.tensor_parallel_size
+        ):
             raise ValueError(
                 f"This model was sharded as mesh (replicas, shard_size) ="
                 f" ({self.mesh.replicas}, {self.mesh.shard_size}) on rank {self.mesh.rank};"
@@ -362,20 +365,24 @@ def shard_module(
     meta_modules: dict[int, list[nn.Module]] = {id(m): [] for _, m in unit_modules}
     full: dict[int, Tensor] = {}
     for unit_id, use, param in ((id(module), use, param) for _, module, owned in plan for use, param in owned):
+        # See [Note: DTensor parameters in the engine].
+        tensor_parallel = tensor_parallel_layout(use.fqns[0], param, mesh.tensor_parallel_size)
+        local = local_tensor(param)
         sp = ShardedParam(
             fqns=use.fqns,
             owners=use.owners,
-            global_shape=param.shape,
-            dtype=param.dtype,
+            global_shape=local.shape,
+            dtype=local.dtype,
             requires_grad=param.requires_grad,
             shard_size=mesh.shard_size,
             shard_rank=mesh.shard_rank,
+            tensor_parallel=tensor_parallel,
         )
         if mixed_precision is not None:
             compute = mixed_precision.compute_dtype(m for m, _ in use.owners)
             sp.compute_dtype = compute if compute != param.dtype else None
         assignment[unit_id].append(sp)
-        full[id(sp)] = param
+        full[id(sp)] = local
     uninitialized: dict[str, str] = {}  # see [Note: parameters nothing initialises]
     nothing_initialises: dict[int, str] = {}  # id(module) -> "name (Class)", under RESET_PARAMETERS
     names = {id(m): n or "<root>" for n, m in root.named_modules()}
@@ -392,7 +399,7 @@ def shard_module(
                 if not without_reset_parameters(m) and all(m is not x for x in meta_modules[unit_id]):
                     meta_modules[unit_id].append(m)
     if nothing_initialises:
-        _warn_nothing_initialises(list(nothing_initialises.values()))
+        warn_nothing_initialises(list(nothing_initialises.values()))
     initialize_parameterless_buffers(parameterless, device)
 
     reshard = strategy.reshards_after_forward
@@ -418,25 +425,12 @@ def shard_module(
                                   for m, _ in sp.owners)
     materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
     engine = ShardedModule(root, units, mesh, strategy)
+    note_tensor_parallel_parts(mesh, [(sp.tensor_parallel, sp.sharded) for sp in engine.sharded_params()])
     engine.uninitialized = uninitialized
     engine.param_init = param_init
     _register_hooks(engine, mixed_precision)
     root.register_load_state_dict_pre_hook(_rows_of_full_tensors(engine))
     return engine
-
-
-def _warn_nothing_initialises(modules: list[str]) -> None:
-    """Name, once at set-up, the modules whose meta-device parameters nothing initialises (see [Note: parameters
-    nothing initialises]). Not given with ``param_init="empty"``, which asks for exactly that."""
-    warn_rank0(
-        "These modules own parameters built on the meta device but have no reset_parameters(), so nothing"
-        " initialises them: " + ", ".join(modules) + ". Their shards hold uninitialised memory, and a forward"
-        " raises until weights are loaded. Load the weights before the first forward (load_safetensors_into(),"
-        " e.g. from on_fit_start, or fabric.load_raw() after setup_module), give these modules a"
-        " reset_parameters(), or pass param_init='empty' if the whole model is loaded (it initialises nothing"
-        " and does not warn).",
-        stacklevel=4,
-    )
 
 
 def _rows_of_full_tensors(engine: ShardedModule):  # noqa: ANN202

@@ -429,7 +429,8 @@ class ShardUnit:
     def init_from_full(self, full: dict[int, Tensor]) -> None:
         """Fill the sharded faces from the original full parameters (``id(ShardedParam)`` -> tensor), as global
         rank 0 holds them (see [Note: initial values agree with rank 0])."""
-        for p, value in zip(self.params, values_of_rank0([full[id(p)] for p in self.params], self.device)):
+        values = values_of_rank0([full[id(p)] for p in self.params], self.device, self.mesh.data_parallel_group)
+        for p, value in zip(self.params, values):
             p.copy_rows_from_full(value)
         self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
         self.reshard()
@@ -438,7 +439,8 @@ class ShardUnit:
         """Leave parameters built on the meta device as uninitialised shards (a load fills them) and fill the
         others from their full values, as ``init_from_full``; nothing is materialised in full."""
         given = [p for p in self.params if not full[id(p)].is_meta]
-        for p, value in zip(given, values_of_rank0([full[id(p)] for p in given], self.device)):
+        values = values_of_rank0([full[id(p)] for p in given], self.device, self.mesh.data_parallel_group)
+        for p, value in zip(given, values):
             p.copy_rows_from_full(value)
         self.state = UnitState.UNSHARDED  # faces not yet on modules; reshard() puts the sharded ones there
         self.reshard()
@@ -462,7 +464,8 @@ class ShardUnit:
             # (the embedding, not the LM head registered after it).
             for m in reversed(modules):
                 run_initializer(m, device)
-            for p, value in zip(self.params, values_of_rank0([p.unsharded.data for p in self.params], device)):
+            group = self.mesh.data_parallel_group
+            for p, value in zip(self.params, values_of_rank0([p.unsharded.data for p in self.params], device, group)):
                 p.copy_rows_from_full(value)
                 p.unsharded = originals[id(p)]
         self.state = UnitState.UNSHARDED

@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, NoReturn
@@ -27,6 +27,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
@@ -83,6 +84,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     ``fabric.load``, ``strategy.wait_for_save()``, teardown and the end of the process wait for it; a failure of
     the background write is raised there on every rank (at the end of the process: printed, exit status 1).
 
+    ``tensor_parallel_size`` and ``data_parallel_size`` are the Trainer strategy's; with ``tensor_parallel_size > 1``,
+    ``parallelize_fn(module, device_mesh)`` (the function Fabric's ``ModelParallelStrategy`` takes, without its
+    ``fully_shard`` calls) applies the tensor-parallel plan in ``setup_module`` on ``strategy.device_mesh``, the
+    ``("data_parallel", "tensor_parallel")`` mesh, before the strategy shards the model (see docs/tensor_parallel.md).
+
     Set up the model with ``fabric.setup_module(model)`` and create the optimizer from the returned model's
     parameters (this rank's shards) before ``fabric.setup_optimizers(optimizer)``; ``fabric.setup(model,
     optimizer)`` also works while the optimizer has no state yet (its parameters are swapped for the shards).
@@ -115,6 +121,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         use_orig_params: bool = True,
         limit_all_gathers: bool = True,
         sync_module_states: bool = True,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int | Literal["auto"] = "auto",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -142,11 +151,20 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             sync_module_states=sync_module_states,
             timeout=timeout,
             process_group_backend=process_group_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
         )
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")
         if async_save:
             refuse_full_layout_in_background(self.options.state_dict_type, "async_save=True", "async_save=False")
+        if parallelize_fn is not None and self.options.tensor_parallel_size == 1:
+            raise ValueError(
+                "parallelize_fn applies a tensor-parallel plan: pass tensor_parallel_size > 1 with it. ShardStrategy"
+                " shards the model itself (auto_wrap_policy), so a parallelize_fn that only calls fully_shard is not"
+                " needed; drop it."
+            )
+        self._parallelize_fn = parallelize_fn
         self._async_save = async_save
         self._storage_options = checked_storage_options(storage_options)
         self._saver = BackgroundSaver()
@@ -255,8 +273,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Shard ``module`` in place (it stays the same object): its parameters become this rank's shards."""
+        """Shard ``module`` in place (it stays the same object): its parameters become this rank's shards. With a
+        ``parallelize_fn``, its tensor-parallel plan is applied first."""
         self.precision.set_device(self.root_device.type)
+        if self._parallelize_fn is not None and sharded_module_of(module) is None:
+            module = self._parallelize_fn(module, self.device_mesh)
         engine = setup_sharded_module(module, self.options, self.mesh, self.root_device, self.mixed_precision_config)
         if all(engine is not e for e in self._engines):
             self._engines.append(engine)

@@ -128,6 +128,13 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             over a million page faults a step; ``"system"`` leaves the allocator as it is. Ignored when the
             environment already sets glibc's malloc (``MALLOC_*_``, ``GLIBC_TUNABLES``) or preloads another
             allocator.
+        tensor_parallel_size: ranks that split each layer by a tensor-parallel plan (default 1: none). With ``T >
+            1`` the strategy builds ModelParallelStrategy's ``("data_parallel", "tensor_parallel")`` mesh, handed to
+            ``configure_model`` as ``self.device_mesh``; apply the plan there (``parallelize_module`` on
+            ``self.device_mesh["tensor_parallel"]``, without ``fully_shard``) and the strategy shards each rank's
+            part over the data-parallel ranks (see docs/tensor_parallel.md).
+        data_parallel_size: ``"auto"`` (default): the world size divided by ``tensor_parallel_size``; an int must
+            make the product the world size.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
             naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.
@@ -168,6 +175,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         use_orig_params: bool = True,
         limit_all_gathers: bool = True,
         sync_module_states: bool = True,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int | Literal["auto"] = "auto",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -197,6 +206,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             sync_module_states=sync_module_states,
             timeout=timeout,
             process_group_backend=process_group_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
         )
         self._storage_options = checked_storage_options(storage_options)
         self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]
@@ -254,6 +265,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         self._start_mesh()
+        if self.lightning_module is not None and self._tensor_parallel_mesh is not None:
+            self.lightning_module._device_mesh = self._tensor_parallel_mesh  # configure_model's self.device_mesh
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             trainer = self.lightning_module.trainer  # see [Note: weight averaging on shards]
             adopt_weight_averaging(getattr(trainer, "callbacks", []))
@@ -401,6 +414,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         ``trainer.save_checkpoint`` (its ``on_save_checkpoint`` hooks included) always the sharded views: see
         [Note: a Trainer save gathers nothing it does not write]. Collective: every rank must call it."""
         assert self.lightning_module is not None
+        if self._saves.scope is SaveScope.TRAINER_SAVE and self.options.tensor_parallel_size > 1:
+            return {}  # the save writes from the shards (see [Note: tensor-parallel checkpoints])
         return model_state_dict(self.lightning_module, self._state_dict_layout())
 
     @override
@@ -409,6 +424,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         "params": [name, ...]}]}``), in the layout ``lightning_module_state_dict`` gives. Collective."""
         assert self.lightning_module is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the optimizer it wraps
+        if self._saves.scope is SaveScope.TRAINER_SAVE and self.options.tensor_parallel_size > 1:
+            return {}
         return optimizer_state_dict(self.lightning_module, optimizer, self._state_dict_layout())
 
     def _state_dict_layout(self) -> StateDictType:

@@ -188,7 +188,9 @@ tests_pytorch/strategies/test_model_parallel.py and tests_fabric/strategies/test
 - test_fsdp_v1_modules_unsupported (both): FSDP-wrapped modules refused with ``TypeError``. [a]
   M.test_a_model_already_sharded_by_torchs_fsdp_is_refused
 - test_configure_model_required (Trainer) [c] M.test_configure_model_is_optional
-- test_parallelize_fn_call (Fabric) [c] M.test_there_is_no_parallelize_fn
+- test_parallelize_fn_call (Fabric) [a]
+  M.test_parallelize_fn_applies_a_tensor_parallel_plan_and_needs_tensor_parallelism and
+  tests/test_tensor_parallel.py (called with the mesh in ``setup_module``)
 - test_checkpoint_io_unsupported (Fabric) [c] F.test_a_checkpoint_io_plugin_is_refused_before_the_processes_start
 - test_no_backward_sync (Fabric) [a] F.test_no_backward_sync_holds_the_reduction_back_and_the_gradients_add_up
 - test_save_checkpoint_storage_options (both) [a] T./F.test_save_checkpoint_refuses_storage_options
@@ -214,9 +216,12 @@ tests_pytorch/strategies/test_model_parallel.py and tests_fabric/strategies/test
 tests_pytorch/strategies/test_model_parallel_integration.py and tests_fabric/.../test_model_parallel_integration.py
 ------------------------------------------------------------------------------------------------------------------
 
-- test_setup_device_mesh (both): the mesh and its sizes. [c] (a data-parallel ``(replicas, shard_size)`` mesh)
+- test_setup_device_mesh (both): the mesh and its sizes. [c] (``strategy.mesh`` is the data-parallel
+  ``(replicas, shard_size)`` layout; ``device_mesh`` exists with ``tensor_parallel_size > 1``)
   M.test_the_mesh_has_the_configured_shape_in_configure_model_and_after_launch
-- test_tensor_parallel, test_fsdp2_tensor_parallel (both, with and without compile) [b] tensor parallelism
+- test_tensor_parallel, test_fsdp2_tensor_parallel (both) [a] tests/test_tensor_parallel.py: a Colwise/Rowwise plan
+  at (dp=2, tp=2) against DDP and against ModelParallelStrategy + ``fully_shard``; with compile [b] (over the suite's
+  budget)
 - test_model_parallel_single_file_checkpoint_with_compile (Trainer) [b] here: compile over the suite's budget
 - test_modules_without_parameters (Trainer) [a] T.test_a_metric_without_parameters_works_in_the_training_step
 - test_module_init_context (both) [a] T./F.test_init_module_builds_in_the_precisions_dtype_and_setup_places_it

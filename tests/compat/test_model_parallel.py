@@ -94,9 +94,9 @@ def test_the_mesh_has_the_configured_shape_in_configure_model_and_after_launch(
     kwargs: dict[str, Any], shape: tuple[int, int]
 ) -> None:
     """test_setup_device_mesh (Trainer and Fabric): the mesh exists in ``configure_model`` and after
-    ``fabric.launch()``, with the configured ``(replicas, shard_size)``. It is a two-dimensional data-parallel mesh,
-    not ModelParallelStrategy's ``("data_parallel", "tensor_parallel")`` ``DeviceMesh``: there is no tensor
-    parallelism (a deliberate difference)."""
+    ``fabric.launch()``, with the configured ``(replicas, shard_size)``: the data-parallel layout.
+    ModelParallelStrategy's ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` is ``strategy.device_mesh`` with
+    ``tensor_parallel_size > 1`` (tests/test_tensor_parallel.py)."""
     for result in on_ranks(mesh_in_configure_model, kwargs):
         assert result == {"trainer": shape, "fabric": shape}
 
@@ -106,11 +106,15 @@ def test_the_mesh_has_the_configured_shape_in_configure_model_and_after_launch(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_there_is_no_parallelize_fn() -> None:
-    """test_parallelize_fn_call (a deliberate difference): the units come from ``auto_wrap_policy`` (or ``wrap()``),
-    not from a user function that parallelizes the model; passing one is Python's ``TypeError``."""
-    with pytest.raises(TypeError, match="parallelize_fn"):
-        FabricShardStrategy(parallelize_fn=lambda module, mesh: module)  # type: ignore[call-arg]
+def test_parallelize_fn_applies_a_tensor_parallel_plan_and_needs_tensor_parallelism() -> None:
+    """test_parallelize_fn_call: ``parallelize_fn(module, device_mesh)`` is called in ``setup_module`` with the
+    ``("data_parallel", "tensor_parallel")`` mesh (run at (dp=2, tp=2) in tests/test_tensor_parallel.py); the units
+    still come from ``auto_wrap_policy``, so a ``parallelize_fn`` without ``tensor_parallel_size > 1`` (one that
+    would only call ``fully_shard``) is refused."""
+    with pytest.raises(ValueError, match="parallelize_fn applies a tensor-parallel plan"):
+        FabricShardStrategy(parallelize_fn=lambda module, mesh: module)
+    strategy = FabricShardStrategy(parallelize_fn=lambda module, mesh: module, tensor_parallel_size=2)
+    assert strategy.tensor_parallel_size == 2
 
 
 def fit_without_configure_model(rank: int, world_size: int) -> int:

@@ -52,12 +52,12 @@ def _model_rows(engine: ShardedModule, module: nn.Module, source: ForeignCheckpo
     plan = [(key, p) for p in engine.sharded_params() if (key := next((f for f in p.fqns if f in stored), None))]
     owned = {f for p in engine.sharded_params() for f in p.fqns}
     buffers = [(k, b) for k, b in module.named_buffers(remove_duplicate=False) if k in stored and k not in owned]
-    targets = [(k, p.global_shape, p.dtype) for k, p in plan] + [(k, b.shape, b.dtype) for k, b in buffers]
+    targets = [(k, p.full_shape, p.dtype) for k, p in plan] + [(k, b.shape, b.dtype) for k, b in buffers]
     problems = [m for k, shape, dtype in targets
                 if (m := check_loadable(k, stored[k].shape, stored[k].dtype, shape, dtype))]
     if problems:  # before anything is read
         raise CheckpointError(f"{source.where} does not match the model's shapes: " + "; ".join(problems))
-    rows = [(p.sharded, stored[key].read(p.first_row, p.first_row + p.local_rows)) for key, p in plan]
+    rows = [(p.sharded, _rows_of(p, stored[key])) for key, p in plan]
     return rows + [(buffer, stored[key].read_all()) for key, buffer in buffers]
 
 
@@ -117,15 +117,22 @@ def _value_for(p: ShardedParam, name: str, value: Any, optimizer: Optimizer, wha
     parameter, the whole of anything else (``step``)."""
     if not isinstance(value, ForeignTensor):
         return value
-    shape = tuple(p.global_shape)
+    shape = tuple(p.full_shape)
     if value.shape and value.shape != shape:
         raise CheckpointError(
             f"{what}: the state {name!r} of {p.fqn} has shape {list(value.shape)}, the parameter {list(shape)}; a"
             " sharded optimizer holds per-parameter state shaped like its parameter (or scalars)."
         )
     if value.shape or (not shape and name in per_element_states(optimizer)):
-        return value.read(p.first_row, p.first_row + p.local_rows).reshape(p.sharded.shape)
+        return _rows_of(p, value).reshape(p.sharded.shape)
     return value.read_all()
+
+
+def _rows_of(p: ShardedParam, stored: ForeignTensor) -> Tensor:
+    """This rank's rows of ``stored`` for ``p`` (of them its columns, for a tensor-parallel block of dim 1)."""
+    start, stop, columns = p.rows_in_full()
+    rows = stored.read(start, stop)
+    return rows if columns is None else rows[:, columns[0] : columns[1]].contiguous()
 
 
 def per_element_states(optimizer: Optimizer) -> set[str]:

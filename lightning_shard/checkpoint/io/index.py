@@ -46,6 +46,8 @@ from lightning_shard.checkpoint.io.storage import Location, MemberURL, RemoteDir
 
 LEFT_OUT = "left_out"  # model key -> fingerprint of each model tensor a save left out (see checkpoint.io.selection)
 SPLIT_BY_ROWS = "rows"  # a tensor entry's "split": its rows are spread over "shard_files" by the writer's rule
+SPLIT_BY_PIECES = "pieces"  # a tensor entry's "split": its "pieces" are listed ([Note: tensor-parallel checkpoints])
+TENSOR_PARALLEL_SIZE = "tensor_parallel_size"  # the head's tensor-parallel size of the writers (absent: 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,8 +173,11 @@ def _tensors(path: Path | MemberURL, index: dict[str, Any], files: CheckpointFil
     """The current version's tensor entries (see [Note: rows by rule]), checked in O(tensors + files)."""
     mesh = index["mesh"]
     shard_size = mesh["shard_size"]
-    if shard_size < 1 or mesh["replicas"] < 1 or mesh["replicas"] * shard_size != index["world_size"]:
-        raise _damaged(path, f"its mesh {mesh} does not cover its world size {index['world_size']}")
+    tp = index.get(TENSOR_PARALLEL_SIZE, 1)
+    if not is_count(tp) or tp < 1:
+        raise _damaged(path, f"'{TENSOR_PARALLEL_SIZE}' must be a positive count, not {tp!r}")
+    if shard_size < 1 or mesh["replicas"] < 1 or mesh["replicas"] * shard_size * tp != index["world_size"]:
+        raise _damaged(path, f"its mesh {mesh} x {tp} does not cover its world size {index['world_size']}")
     shard_files = index.get("shard_files")
     if not (isinstance(shard_files, list) and all(name in index["files"] for name in shard_files)):
         raise _damaged(path, "'shard_files' must list files of its 'files' table")
@@ -197,6 +202,8 @@ def _tensors(path: Path | MemberURL, index: dict[str, Any], files: CheckpointFil
                     f"{path}: tensor {key!r} refers to the file {entry['file']!r}, which the index does not list."
                 )
             placement = Whole(entry["file"], entry["key"], rows)
+        elif entry.get("split") == SPLIT_BY_PIECES:
+            placement = _listed(path, key, shape, entry.get("pieces"), files)
         else:
             raise CheckpointError(f"{path}: tensor {key!r} has a malformed entry.")
         tensors[key] = StoredTensor(key, shape, dtype, placement, files)
@@ -210,32 +217,36 @@ def _version_1_tensors(
     (That they reach the last row is checked by ``require_complete``, after a loader compared the shapes with the
     model's.) Checked in O(pieces), without opening a file."""
     tensors = {}
-    listed = files.sizes or {}
     for key, entry in entries.items():
         shape, dtype = _shape_and_dtype(path, key, entry)
-        raw = entry.get("pieces")
-        if not (isinstance(raw, list) and raw):
-            raise CheckpointError(f"{path}: tensor {key!r} has a malformed entry.")
-        rows = shape[0] if shape else 1
-        pieces = sorted((_version_1_piece(path, key, piece) for piece in raw), key=lambda piece: piece.lo)
-        covered = 0
-        for piece in pieces:
-            if piece.lo != covered or piece.hi > rows:
-                problem = "leaves a gap before it" if piece.lo > covered else "overlaps the previous piece"
-                if piece.hi > rows:
-                    problem = f"lies beyond the tensor's {rows} rows"
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} (shape {list(shape)}): the piece in {piece.file!r} holding rows"
-                    f" [{piece.lo}, {piece.hi}) {problem}."
-                )
-            refuse_unplain_name(path.parent, piece.file)
-            if piece.file not in listed:
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} refers to the file {piece.file!r}, which the index does not list."
-                )
-            covered = piece.hi
-        tensors[key] = StoredTensor(key, shape, dtype, Listed(tuple(pieces)), files)
+        tensors[key] = StoredTensor(key, shape, dtype, _listed(path, key, shape, entry.get("pieces"), files), files)
     return tensors
+
+
+def _listed(path: Path | MemberURL, key: str, shape: tuple[int, ...], raw: Any, files: CheckpointFiles) -> Listed:
+    """A tensor's listed pieces (version 1, or a tensor-parallel save's): checked as ``_version_1_tensors`` says."""
+    listed = files.sizes or {}
+    if not (isinstance(raw, list) and raw):
+        raise CheckpointError(f"{path}: tensor {key!r} has a malformed entry.")
+    rows = shape[0] if shape else 1
+    pieces = sorted((_version_1_piece(path, key, piece) for piece in raw), key=lambda piece: piece.lo)
+    covered = 0
+    for piece in pieces:
+        if piece.lo != covered or piece.hi > rows:
+            problem = "leaves a gap before it" if piece.lo > covered else "overlaps the previous piece"
+            if piece.hi > rows:
+                problem = f"lies beyond the tensor's {rows} rows"
+            raise CheckpointError(
+                f"{path}: tensor {key!r} (shape {list(shape)}): the piece in {piece.file!r} holding rows"
+                f" [{piece.lo}, {piece.hi}) {problem}."
+            )
+        refuse_unplain_name(path.parent, piece.file)
+        if piece.file not in listed:
+            raise CheckpointError(
+                f"{path}: tensor {key!r} refers to the file {piece.file!r}, which the index does not list."
+            )
+        covered = piece.hi
+    return Listed(tuple(pieces))
 
 
 def _version_1_piece(path: Path | MemberURL, key: str, piece: Any) -> Piece:
@@ -288,6 +299,7 @@ class FileRecord:
     sha256: str
     shard: int | None
     whole: dict[str, str] = field(default_factory=dict)
+    pieces: dict[str, list[int]] = field(default_factory=dict)  # index key -> [first row, last row + 1] it holds
 
 
 def build_index(head: dict[str, Any], tensors: Sequence[SavedTensor], records: Sequence[FileRecord]) -> dict[str, Any]:
@@ -298,10 +310,16 @@ def build_index(head: dict[str, Any], tensors: Sequence[SavedTensor], records: S
     if shards != list(range(len(shards))):
         raise CheckpointError(f"Internal error: the shard files of this save are those of shards {shards}.")
     holder = {key: (r.name, in_file) for r in records for key, in_file in r.whole.items()}
+    listed: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        for key, rows in r.pieces.items():
+            listed.setdefault(key, []).append({"file": r.name, "key": key, "rows": rows})
     entries: dict[str, dict[str, Any]] = {}
     for t in tensors:
         entry: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-        if t.split:
+        if t.split and t.key in listed:
+            entry["split"], entry["pieces"] = SPLIT_BY_PIECES, sorted(listed[t.key], key=lambda p: p["rows"][0])
+        elif t.split:
             entry["split"] = SPLIT_BY_ROWS
         elif t.key in holder:
             entry["file"], entry["key"] = holder[t.key]

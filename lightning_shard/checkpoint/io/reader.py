@@ -101,6 +101,7 @@ class _Target:
     start: int
     stop: int
     into: Tensor | None  # written by ``commit``; None: the result is the new tensor itself
+    columns: tuple[int, int] | None  # the part of dim 1 kept of the rows read (``None``: all of it)
 
 
 class _Group(NamedTuple):
@@ -138,13 +139,20 @@ class RowReads:
     def __init__(self) -> None:
         self._targets: list[_Target] = []
 
-    def add(self, entry: StoredTensor, start: int, stop: int, into: Tensor | None = None) -> int:
-        """Read rows ``[start, stop)`` of ``entry``; ``commit`` copies them into ``into`` (any tensor of that many
-        elements; cast when its dtype differs) when given. Returns the position of the result in ``read()``'s
-        list."""
-        if into is not None and into.numel() != (stop - start) * math.prod(entry.row_shape):
+    def add(
+        self, entry: StoredTensor, start: int, stop: int, into: Tensor | None = None,
+        columns: tuple[int, int] | None = None,
+    ) -> int:
+        """Read rows ``[start, stop)`` of ``entry`` (of them only columns ``[columns[0], columns[1])`` of dim 1, when
+        given: a tensor-parallel block; the whole rows are read and checked); ``commit`` copies them into ``into`` (any
+        tensor of that many elements; cast when its dtype differs) when given. Returns the position of the result in
+        ``read()``'s list."""
+        row_numel = math.prod(entry.row_shape)
+        if columns is not None:
+            row_numel = row_numel // entry.shape[1] * (columns[1] - columns[0])
+        if into is not None and into.numel() != (stop - start) * row_numel:
             raise ValueError(f"Rows [{start}, {stop}) of {entry.key} do not fit a tensor of shape {tuple(into.shape)}.")
-        self._targets.append(_Target(entry, start, stop, into))
+        self._targets.append(_Target(entry, start, stop, into, columns))
         return len(self._targets) - 1
 
     def read(self, handles: FileHandles | None = None) -> list[Tensor]:
@@ -183,7 +191,8 @@ class RowReads:
 def _shaped(t: _Target, flat: Tensor) -> Tensor:
     if not t.entry.shape:
         return flat.reshape(()) if t.stop > t.start else flat
-    return flat.view(t.stop - t.start, *t.entry.row_shape)
+    rows = flat.view(t.stop - t.start, *t.entry.row_shape)
+    return rows if t.columns is None else rows[:, t.columns[0] : t.columns[1]].contiguous()
 
 
 # Pass 1 #

@@ -195,7 +195,8 @@ def _add_model_rows(
         raise CheckpointError("Checkpoint tensors do not match the model's shapes: " + "; ".join(mismatched))
     require_complete(directory, entries, [key for key, _ in plan] + [key for key, _ in buffers])
     for key, p in plan:  # a failure stops all ranks via agree()
-        reads.add(entries[key], p.first_row, p.first_row + p.local_rows, p.sharded)
+        start, stop, columns = p.rows_in_full()
+        reads.add(entries[key], start, stop, p.sharded, columns)
     for key, buf in buffers:
         reads.add(entries[key], 0, entries[key].rows, buf)
 
@@ -220,7 +221,7 @@ def _shape_mismatches(
 ) -> list[str]:
     """Each key the checkpoint and the model both have whose shape or dtype cannot be loaded, described."""
     entries, plan, buffers = _model_targets(engine, module, index, ties)
-    targets = [(key, p.global_shape, p.dtype) for key, p in plan] + [(key, b.shape, b.dtype) for key, b in buffers]
+    targets = [(key, p.full_shape, p.dtype) for key, p in plan] + [(key, b.shape, b.dtype) for key, b in buffers]
     return [problem for key, shape, dtype in targets if (problem := _mismatch(key, entries[key], shape, dtype))]
 
 
@@ -304,7 +305,8 @@ def _optimizer_state(
         p = sharded[fqn]
         slot = state.setdefault(position[fqn], {})  # load_state_dict() moves each tensor as the optimizer wants
         if entry.shape or (not p.global_shape and name in row_states.get(fqn, ())):
-            read = reads.add(entry, p.first_row, p.first_row + p.local_rows)
+            start, stop, columns = p.rows_in_full()
+            read = reads.add(entry, start, stop, columns=columns)
             pending.append(_Pending(slot, name, read, tuple(p.sharded.shape)))
         else:
             pending.append(_Pending(slot, name, reads.add(entry, 0, 1), ()))
@@ -334,7 +336,7 @@ def _check_optimizer_shapes(i: int, entries: list[tuple[str, StoredTensor]], sha
     for key, entry in entries:
         p = sharded[key.rsplit("/", 1)[0]]
         if entry.shape:
-            problem = _mismatch(f"{OPTIMIZER_PREFIX}{i}/{key}", entry, p.global_shape, p.dtype)
+            problem = _mismatch(f"{OPTIMIZER_PREFIX}{i}/{key}", entry, p.full_shape, p.dtype)
             if problem:
                 problems.append(problem)
     if problems:

@@ -50,7 +50,14 @@ from lightning_shard.checkpoint.format.adapters import ADAPTERS, peft_adapters
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.checkpoint.io.agreement import agree, broadcast_str, gather_on_first_rank
 from lightning_shard.checkpoint.io.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
-from lightning_shard.checkpoint.io.index import LEFT_OUT, FileRecord, SavedTensor, build_index, encode_index
+from lightning_shard.checkpoint.io.index import (
+    LEFT_OUT,
+    TENSOR_PARALLEL_SIZE,
+    FileRecord,
+    SavedTensor,
+    build_index,
+    encode_index,
+)
 from lightning_shard.checkpoint.io.layout import shard_rows
 from lightning_shard.checkpoint.io.selection import (
     MODEL_SELECTION_KEY,
@@ -65,6 +72,7 @@ from lightning_shard.checkpoint.save.commit import (
     refuse_foreign_objects,
     refuse_to_replace_other_data,
 )
+from lightning_shard.checkpoint.save.tensor_parallel import tensor_parallel_piece
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.policies import parse_choice
 from lightning_shard.engine.sharded_module import ShardedModule
@@ -216,8 +224,10 @@ def write_trainer_state(
     return [_record(tmp / name, None) for name in (json_name, tensors_name)]
 
 
-def _record(path: Path, shard: int | None, whole: dict[str, str] | None = None) -> FileRecord:
-    return FileRecord(path.name, path.stat().st_size, sha256_file(path), shard, whole or {})
+def _record(
+    path: Path, shard: int | None, whole: dict[str, str] | None = None, pieces: dict[str, list[int]] | None = None
+) -> FileRecord:
+    return FileRecord(path.name, path.stat().st_size, sha256_file(path), shard, whole or {}, pieces or {})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,15 +288,17 @@ class _Plan:
         mesh = self.engine.mesh
         head = index_head(layout, self.world_size, (mesh.replicas, mesh.shard_size),
                           self.engine.sharding_strategy.value, self.ties, [meta for meta, _ in self.optimizers])
+        if mesh.tensor_parallel_size > 1:
+            head[TENSOR_PARALLEL_SIZE] = mesh.tensor_parallel_size
         if self.left_out:
             head[LEFT_OUT] = self.left_out
         if self.adapters is not None:
             head[ADAPTERS] = self.adapters
-        params = [(fqn, tuple(p.global_shape), p.dtype) for fqn, p in self.params]
-        optim = [(name, tuple(p.global_shape) if p is not None else None, value)
+        params = [(fqn, tuple(p.full_shape), p.dtype) for fqn, p in self.params]
+        optim = [(name, tuple(p.full_shape) if p is not None else None, value)
                  for _, tensors in self.optimizers for name, p, value in tensors]
         saved = saved_tensors(params, self.buffers, optim, layout is StateDictType.SHARDED)
-        saved += [SavedTensor(AVERAGE_PREFIX + fqn, tuple(p.global_shape) if p is not None else tuple(t.shape),
+        saved += [SavedTensor(AVERAGE_PREFIX + fqn, tuple(p.full_shape) if p is not None else tuple(t.shape),
                               t.dtype, p is not None and layout is StateDictType.SHARDED)
                   for fqn, p, t in self.averaged]
         return build_index(head, saved, records)
@@ -415,6 +427,8 @@ class _ShardedWriter(_Plan):
         mesh = self.engine.mesh
         if mesh.replicate_rank != 0:
             return []  # replicas hold identical shards: replica 0 writes them
+        if mesh.tensor_parallel_size > 1:
+            return self._tensor_parallel_tensors()
         for fqn, p in self.params:  # the index records the rule, not the rows: they must agree
             rows = (p.first_row, p.first_row + p.local_rows)
             if p.local_rows and (p.shard_size != mesh.shard_size or rows != shard_rows(p.rows, mesh.shard_size,
@@ -439,6 +453,28 @@ class _ShardedWriter(_Plan):
                 out.append((AVERAGE_PREFIX + fqn, value, None))
         return out
 
+    def _tensor_parallel_tensors(self) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
+        """``local_tensors`` under tensor parallelism: every rank's pieces, rows of the whole tensors listed in the
+        index (see [Note: tensor-parallel checkpoints])."""
+        mesh = self.engine.mesh
+        out: list[tuple[str, Tensor, tuple[int, int] | None]] = []
+        items: list[tuple[str, ShardedParam | None, Tensor]] = [
+            (MODEL_PREFIX + fqn, p, p.sharded.detach()) for fqn, p in self.params
+        ]
+        items += [(name, p, value) for _, tensors in self.optimizers for name, p, value in tensors]
+        items += [(AVERAGE_PREFIX + fqn, p, value) for fqn, p, value in self.averaged]
+        for key, p, value in items:
+            if p is None:  # a buffer, or scalar optimizer state: whole, by rank 0
+                if self.rank == 0:
+                    out.append((key, value, None))
+                continue
+            piece = tensor_parallel_piece(p, value, mesh.tensor_parallel_size, mesh.tensor_parallel_rank)
+            if piece is not None:
+                out.append((key, *piece))
+        if self.rank == 0:
+            out.extend((MODEL_PREFIX + k, v, None) for k, v in self.buffers)
+        return out
+
     def write_local(self) -> list[FileRecord]:
         return self.write_tensors(self.local_tensors())
 
@@ -446,14 +482,17 @@ class _ShardedWriter(_Plan):
         """Write ``local`` (``local_tensors()`` or a copy of them) as this rank's file; return its record."""
         self.tmp.mkdir(parents=True, exist_ok=True)
         path = self.tmp / (self.file_prefix + shard_file_name(self.rank, self.world_size))
+        if self.engine.mesh.tensor_parallel_size > 1:  # pieces listed in the index, no shard rule
+            return write_shard_file(path, None, local, listed=True)
         return write_shard_file(path, self.engine.mesh.shard_rank, local)
 
 
 def write_shard_file(
-    path: Path, shard: int, local: list[tuple[str, Tensor, tuple[int, int] | None]]
+    path: Path, shard: int | None, local: list[tuple[str, Tensor, tuple[int, int] | None]], listed: bool = False
 ) -> list[FileRecord]:
     """Write one shard's tensors (key, tensor, its rows or ``None`` when stored whole) as the safetensors file
-    ``path``, each tensor's CRC-32 in its header; its record (none when there is nothing to write)."""
+    ``path``, each tensor's CRC-32 in its header; its record (none when there is nothing to write). With ``listed``
+    the record lists the rows of each piece, for the index to list."""
     if not local:
         return []
     local = small_pieces_first(local)
@@ -465,7 +504,8 @@ def write_shard_file(
         writer.close_quietly()
         raise
     writer.close()
-    return [_record(path, shard, {key: key for key, _, rows in local if rows is None})]
+    pieces = {key: [rows[0], rows[1]] for key, _, rows in local if rows is not None} if listed else {}
+    return [_record(path, shard, {key: key for key, _, rows in local if rows is None}, pieces)]
 
 
 # [Note: small pieces together]

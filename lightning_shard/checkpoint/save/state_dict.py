@@ -68,6 +68,7 @@ def model_state_dict(module: nn.Module, layout: StateDictType | str) -> dict[str
     """The state dict of ``module`` (sharded by ``lightning_shard``) in ``layout`` (``"full"`` or ``"sharded"``); see
     [Note: state dicts of a sharded model]. Collective."""
     engine = _engine(module, "model_state_dict")
+    _refuse_tensor_parallel(engine)
     with _plain_tensors():
         if StateDictType.parse(layout) is StateDictType.FULL:
             return _full_model_state_dict(engine)
@@ -78,11 +79,23 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, layout: StateD
     """The state of ``optimizer`` (built on the shards of ``module``) keyed by parameter name, in ``layout``; see
     [Note: state dicts of a sharded model]. Collective."""
     engine = _engine(module, "optimizer_state_dict")
+    _refuse_tensor_parallel(engine)
     params, state, groups = _named_optimizer_state(engine, optimizer)
     with _plain_tensors():
         if StateDictType.parse(layout) is StateDictType.FULL:
             return _full_optimizer_state_dict(engine, params, state, groups)
         return _sharded_optimizer_state_dict(engine, params, state, groups)
+
+
+def _refuse_tensor_parallel(engine: ShardedModule) -> None:
+    """State dicts of a tensor-parallel model (DTensors over the 2-D mesh) are not built yet: refused, not given in a
+    layout that would mislead. Checkpoints (``save_checkpoint``, ``fabric.save``) hold every tensor whole."""
+    if engine.mesh.tensor_parallel_size > 1:
+        raise NotImplementedError(
+            "state_dict() of a model trained with tensor_parallel_size > 1 is not available yet. Save a checkpoint"
+            " (trainer.save_checkpoint / fabric.save: every tensor whole, loadable at any size) and read it with"
+            " `lightning-shard consolidate` or `export`."
+        )
 
 
 # Full: gathered on global rank 0 #

@@ -1,0 +1,79 @@
+"""Tensor parallelism composed with sharding, in fresh processes under Lightning's launcher (see
+``tests/scripts/tensor_parallel_fit.py``), against DDP on two ranks at fp32 ``assert_close`` defaults, and against
+Lightning's ModelParallelStrategy + ``fully_shard`` with the same plan; checkpoints resumed at other sizes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.jobs import free_port, job_env
+
+pytestmark = pytest.mark.launch
+
+SCRIPT = Path(__file__).parent / "scripts" / "tensor_parallel_fit.py"
+
+
+def _launch(root: Path, *args: str) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), *args, "--root", str(root)], capture_output=True, text=True,
+                          env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), timeout=600)
+    assert done.returncode == 0, f"{args}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
+
+
+def _losses(root: Path, name: str, ranks: int) -> list[dict[str, Any]]:
+    return [torch.load(root / f"{name}-{rank}.pt") for rank in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The five launches: DDP (the oracle), (dp=2, tp=2) saving after step 3, that checkpoint resumed at
+    (dp=2, tp=1) (saving after step 6) and at (dp=1, tp=2), and the (dp=2, tp=1) checkpoint resumed at (dp=2, tp=2)."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    _launch(root, "--role", "reference", "--devices", "2")
+    _launch(root, "--role", "tp", "--devices", "4")
+    _launch(root, "--role", "resume", "--devices", "2", "--tensor-parallel-size", "1", "--resume",
+            str(root / "tp-ckpt"), "--steps", "6", "--save", str(root / "tp1-ckpt"), "--name", "tp1")  # fmt: skip
+    _launch(root, "--role", "resume", "--devices", "2", "--tensor-parallel-size", "2", "--resume",
+            str(root / "tp-ckpt"), "--steps", "6", "--name", "dp1")  # fmt: skip
+    _launch(root, "--role", "resume", "--devices", "4", "--tensor-parallel-size", "2", "--resume",
+            str(root / "tp1-ckpt"), "--steps", "8", "--name", "back")  # fmt: skip
+    return root
+
+
+def test_two_by_two_trains_as_ddp_on_two_ranks_and_as_model_parallel_strategy(runs: Path) -> None:
+    """Trainer (our GPT, fp32 with gradient clipping; Hugging Face Llama with its config's plan) and Fabric
+    (``parallelize_fn``): the losses DDP has on two ranks with the same global batch, on every rank; Lightning's
+    ModelParallelStrategy + ``fully_shard`` with the same plan has ours without clipping (it cannot clip this
+    model)."""
+    ddp = _losses(runs, "reference", 2)[0]
+    for rank, ours in enumerate(_losses(runs, "tp", 4)):
+        assert ours["created"], "the process group existed before the strategy ran: not a fresh process"
+        torch.testing.assert_close(ours["fp32"], ddp["fp32"][:3], msg=f"fp32, rank {rank}")
+        torch.testing.assert_close(ours["llama"], ddp["llama"], msg=f"Llama, rank {rank}")
+        torch.testing.assert_close(ours["fabric"], ddp["fabric"], msg=f"Fabric, rank {rank}")
+        torch.testing.assert_close(ours["model_parallel"], ours["unclipped"], msg=f"ModelParallelStrategy, rank {rank}")
+
+
+def test_bf16_mixed_trains_close_to_ddp_in_bf16_mixed(runs: Path) -> None:
+    ddp = torch.tensor(_losses(runs, "reference", 2)[0]["bf16"])
+    for ours in _losses(runs, "tp", 4):
+        torch.testing.assert_close(torch.tensor(ours["bf16"]), ddp, rtol=1.6e-2, atol=0.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "ranks", "steps"),
+    [("tp1", 2, slice(3, 6)), ("dp1", 2, slice(3, 6)), ("back", 4, slice(6, 8))],
+    ids=["(2,2)->(2,1)", "(2,2)->(1,2)", "(2,1)->(2,2)"],
+)
+def test_a_checkpoint_resumes_at_other_data_and_tensor_parallel_sizes(
+    runs: Path, name: str, ranks: int, steps: slice
+) -> None:
+    """Every tensor is stored whole: a job resumed at other sizes continues with the uninterrupted losses."""
+    ddp = _losses(runs, "reference", 2)[0]["fp32"]
+    for rank, resumed in enumerate(_losses(runs, name, ranks)):
+        torch.testing.assert_close(resumed["fp32"], ddp[steps], msg=f"{name}, rank {rank}")
