@@ -23,7 +23,7 @@ from torch import Tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.mesh import ShardMesh, build_shard_mesh, mesh_shape
 from lightning_shard.engine.policies import ShardingStrategy
-from lightning_shard.engine.progress import RECORD, start_publishing, stop_publishing
+from lightning_shard.engine.progress import RECORD, publisher, start_publishing, stop_publishing
 from lightning_shard.engine.stall import bound_waits, rendezvous_timeout, watching
 
 T = TypeVar("T")
@@ -55,6 +55,15 @@ def _destroy_process_group_at_exit() -> None:
     stop_publishing()  # its thread must not be inside the group's store while the group goes
     if _distributed_is_initialized():
         dist.destroy_process_group()
+
+
+def _publishing_thread_stoppable() -> None:
+    """Give the progress thread a ``stop()``: test suites that check for threads left behind by a test (Lightning's
+    own among them) stop a daemon thread that has one and fail on any other. Stopping it stops publishing progress
+    until the next set-up starts it again; the process group and the model are unaffected."""
+    running = publisher()
+    if running is not None:
+        running._thread.stop = stop_publishing  # type: ignore[attr-defined]
 
 
 def barrier(device: torch.device) -> None:
@@ -108,6 +117,7 @@ def start_mesh(
     start_publishing(
         dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), options.timeout
     )
+    _publishing_thread_stoppable()
     mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend)
     if owns:
         for group in mesh.owned_groups:
