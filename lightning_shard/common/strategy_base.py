@@ -4,6 +4,7 @@ Fabric, so this is a mixin placed before it in each front end's class."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -11,6 +12,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning_utilities.core.rank_zero import rank_zero_only
 
+from lightning_shard.checkpoint.io.storage import is_url
 from lightning_shard.common.distributed import barrier, broadcast_object, start_mesh
 from lightning_shard.common.options import ShardOptionsMixin, check_backend_for_device
 from lightning_shard.engine.mesh import ShardMesh
@@ -116,3 +118,15 @@ def refuse_unpickling(weights_only: bool | None) -> None:
             " objects, load it with torch.load in the process that trusts it and save the state dict again."
         )
 
+
+
+def refuse_local_storage_options(path: str | os.PathLike[str], storage_options: Any) -> None:
+    """``save_checkpoint(local_path, storage_options=...)`` is a ``TypeError``, in the words of Lightning's own
+    strategies first: the options configure an fsspec file system, which only a URL has. The same on every rank,
+    before any collective."""
+    if storage_options is not None and not is_url(path):
+        raise TypeError(
+            "`ShardStrategy.save_checkpoint(..., storage_options=...)` is not supported for the local path"
+            f" {os.fspath(path)!r}: storage_options apply only to URLs (s3://, gs://, az://...). Remove them, or save"
+            " to a URL."
+        )

@@ -130,6 +130,21 @@ class PeerRecord:
         return max(0.0, time.time() - self.published)
 
 
+class _PublishingThread(threading.Thread):
+    """The publisher's daemon thread. Its ``stop()`` stops publishing (as ``stop_publishing`` does): test suites that
+    fail a test leaving a thread behind, Lightning's among them, stop a daemon thread that has one."""
+
+    def __init__(self, publisher: ProgressPublisher) -> None:
+        super().__init__(target=publisher._run, name="lightning_shard-progress", daemon=True)
+        self._publisher = publisher
+
+    def stop(self) -> None:
+        if _PUBLISHER is self._publisher:
+            stop_publishing()
+        else:
+            self._publisher.stop()
+
+
 class ProgressPublisher:
     """The daemon thread that copies ``RECORD.last`` into the store when it changed (see [Note: progress records])."""
 
@@ -140,7 +155,7 @@ class ProgressPublisher:
         self.timeout = timeout
         self._stop = threading.Event()
         self._published: Activity | None = None
-        self._thread = threading.Thread(target=self._run, name="lightning_shard-progress", daemon=True)
+        self._thread = _PublishingThread(self)
 
     def start(self) -> None:
         self._publish(None)  # a first record at once: "set up, no collective yet"

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
 from lightning_shard.checkpoint.foreign.torch_files import is_pickle
-from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
 from lightning_shard.checkpoint.io.agreement import agree
 from lightning_shard.checkpoint.io.index import read_index
 from lightning_shard.checkpoint.io.selection import KeyFilter, ModelSelection, SavedParameters
@@ -131,13 +131,25 @@ def load_raw_into(path: Location, module: nn.Module, strict: bool) -> None:
     if isinstance(path, Path) and path.is_file() and is_pickle(path):
         module.load_state_dict(agree(lambda: _raw_state_dict(path)), strict=strict)
     elif not isinstance(path, Path) or path.is_dir():  # a URL is read as a checkpoint directory
-        index = agree(lambda: read_index(path))
+        index = agree(lambda: _checkpoint_index(path))
         if engine is None:
             module.load_state_dict(agree(lambda: full_model_state(path, index)), strict=strict)
         else:
             load_model(engine, module, path, index, strict=strict)
     else:
         load_safetensors_into(module, path, strict=strict)
+
+
+def _checkpoint_index(path: Location) -> dict[str, Any]:
+    """The index of the checkpoint directory ``fabric.load_raw`` was given; a local directory that is no checkpoint
+    is refused in the words of Lightning's strategies first, which read a single file only."""
+    if isinstance(path, Path) and not (path / INDEX_FILE).is_file():
+        raise CheckpointError(
+            f"The given path must be a single file containing the full state dict: {path}. With ShardStrategy"
+            f" fabric.load_raw also reads the model of a checkpoint directory, and this directory is not one (it has"
+            f" no {INDEX_FILE})."
+        )
+    return read_index(path)
 
 
 def _raw_state_dict(path: Path) -> dict[str, Any]:

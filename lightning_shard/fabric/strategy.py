@@ -44,7 +44,7 @@ from lightning_shard.common.precision import translate_precision
 from lightning_shard.common.preemption import PreemptionWatcher, preemption_signals
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
-from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_unpickling
+from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_local_storage_options, refuse_unpickling
 from lightning_shard.engine.clipping import clip_grads_with_norm_, global_grad_norm
 from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mesh import ShardMesh
@@ -313,7 +313,12 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         """Clip the optimizer's gradients by their global norm over all shards; return that norm (the same on every
         rank). With ``error_if_nonfinite`` a non-finite norm raises on every rank before any gradient changes. A module
         not set up with ``fabric.setup_module`` under this strategy is refused with ``TypeError``."""
-        _engine_of(module)  # its shards are what the norm is over
+        if not isinstance(module, nn.Module) or sharded_module_of(module) is None:  # the norm is over its shards
+            raise TypeError(
+                "Clipping gradients by norm is only possible if the module passed to"
+                " `ShardStrategy.clip_gradients_norm` is set up with fabric.setup_module() under ShardStrategy, as"
+                f" under FSDPStrategy it is wrapped in `FullyShardedDataParallel`. Got: {type(module).__name__}."
+            )
         self.precision.unscale_gradients(optimizer)
         shards = [p for group in optimizer.param_groups for p in group["params"]]
         norm = global_grad_norm(shards, self.mesh, self.root_device, float(norm_type))
@@ -382,6 +387,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         following the parameters kept; for a dict value, which of its items. With ``save_trainable_only=True`` the
         module's frozen parameters are left out as well. A checkpoint that leaves weights out records their
         fingerprints and is checked on load (see [Note: weights a checkpoint leaves out])."""
+        refuse_local_storage_options(path, storage_options)
         selection = fabric_model_selection(state, filter, self.options.saved_parameters)
         url = self.broadcast(os.fspath(path))
         target = location(url, storage_options or (self._storage_options if is_url(url) else None))
@@ -481,12 +487,12 @@ class _ShardBackwardSyncControl(_BackwardSyncControl):
     @override
     @contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> Generator[None, None, None]:
-        engine = sharded_module_of(module)
+        engine = sharded_module_of(module) if isinstance(module, nn.Module) else None
         if engine is None:
             raise TypeError(
                 "Blocking backward sync is only possible if the module passed to `ShardStrategy.no_backward_sync` is"
-                " set up with fabric.setup_module() under ShardStrategy (FSDPStrategy: wrapped in"
-                f" `FullyShardedDataParallel`). Got: {type(module).__name__}, which is not sharded."
+                " set up with fabric.setup_module() under ShardStrategy, as under FSDPStrategy it is wrapped in"
+                f" `FullyShardedDataParallel`. Got: {type(module).__name__}, which is not sharded."
             )
         if not enabled:
             yield

@@ -38,7 +38,7 @@ from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
-from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_unpickling
+from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_local_storage_options, refuse_unpickling
 from lightning_shard.engine.clipping import clip_grad_norm_
 from lightning_shard.engine.compile import refuse_compiled_root
 from lightning_shard.engine.cpu_allocator import CpuAllocator
@@ -440,8 +440,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         """Write a checkpoint directory at ``filepath``: sharded safetensors (``state_dict_type="sharded"``) or
         one ``model.safetensors`` (``"full"``), plus JSON, atomically. ``filepath`` may be a URL (``s3://...``, any
         fsspec protocol), ``storage_options`` a dict for its file system. Collective: every rank must call it."""
-        if storage_options is not None and not is_url(filepath):  # refused alike on every rank, before any collective
-            location(filepath, storage_options)
+        refuse_local_storage_options(filepath, storage_options)
         assert self.lightning_module is not None
         path = location(self.broadcast(os.fspath(filepath)), storage_options or self._url_options(filepath))
         layout = self.options.state_dict_type

@@ -63,7 +63,8 @@ tests_pytorch/strategies/test_fsdp.py (FSDPStrategy, Trainer)
 - test_hybrid_shard_configuration[HYBRID_SHARD|_HYBRID_SHARD_ZERO2]. [c]
   T.test_hybrid_shard_needs_neither_a_wrap_policy_nor_a_process_group
 - test_use_orig_params: default True, False allowed. [a]/[c] T.test_fsdp_flags_are_taken_as_true_and_refused_as_false
-- test_set_timeout: the timeout reaches ``init_process_group``. [a] T.test_timeout_reaches_the_process_group
+- test_set_timeout: the timeout reaches ``init_process_group``. [a] for 10 minutes or more; a shorter one bounds the
+  collectives after a 10-minute rendezvous [c] T.test_timeout_reaches_the_process_group
 - test_strategy_load_optimizer_states_multiple: optimizer count mismatch is a ``RuntimeError``. [a]
   T.test_a_checkpoint_with_another_number_of_optimizers_is_a_runtime_error
 - test_strategy_save_optimizer_states[2|1024|1e8]: full model/optimizer states on rank 0 only; DDP resumes them.
@@ -127,7 +128,7 @@ tests_fabric/strategies/test_fsdp.py (FSDPStrategy, Fabric)
   is read [c]
 - test_load_raw_checkpoint_optimizer_unsupported: ``NotImplementedError``. [a]
   F.test_loading_a_bare_optimizer_is_not_implemented
-- test_set_timeout [a] F.test_timeout_reaches_the_process_group
+- test_set_timeout [a]/[c] as in the Trainer's file, F.test_timeout_reaches_the_process_group
 - test_get_full_state_dict_context_offload: ``offload_to_cpu`` of FSDP's state-dict config. [b] FSDP internals
 - test_device_mesh_type_annotation [a] F.test_device_mesh_annotation_parses_a_pair_from_the_command_line
 - test_warn_shared_params_across_fsdp_units: a warning for tied weights in two units. [c]
@@ -201,7 +202,7 @@ tests_pytorch/strategies/test_model_parallel.py and tests_fabric/strategies/test
 - test_load_unknown_checkpoint_type (both) [a] T./F.test_loading_a_path_that_is_not_a_checkpoint_is_a_value_error
 - test_load_raw_checkpoint_validate_single_file (Fabric) [a]/[c] as under FSDP above
 - test_load_raw_checkpoint_optimizer_unsupported (Fabric) [a] F.test_loading_a_bare_optimizer_is_not_implemented
-- test_set_timeout (both) [a] T./F.test_timeout_reaches_the_process_group
+- test_set_timeout (both) [a]/[c] as under FSDP, T./F.test_timeout_reaches_the_process_group
 - test_meta_device_materialization (both): nothing left on meta, a warning naming modules without
   ``reset_parameters()``. [a] M.test_set_up_materialises_a_meta_model_and_names_modules_without_reset_parameters
 - test_align_compiled_param_names_with_module, test_align_compiled_param_names_no_compile (Trainer): a private

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import threading
 import typing
 from datetime import timedelta
 from pathlib import Path
@@ -108,11 +110,16 @@ def test_a_checkpoint_io_plugin_is_refused_before_the_processes_start() -> None:
         strategy.setup_environment()
 
 
-def test_no_backward_sync_needs_a_set_up_module() -> None:
-    """test_no_backward_sync: ``TypeError`` for a module the strategy did not set up."""
-    with pytest.raises(TypeError, match="fabric.setup_module"), ShardStrategy()._backward_sync_control.no_backward_sync(
-        nn.Linear(2, 2), True
-    ):
+NOT_SET_UP = "is only possible if the module passed to .* is wrapped in `FullyShardedDataParallel`"  # Lightning's
+
+
+@pytest.mark.parametrize("module", [nn.Linear(2, 2), Mock()], ids=["plain module", "not a module"])
+def test_no_backward_sync_needs_a_set_up_module(module: Any) -> None:
+    """test_no_backward_sync: ``TypeError`` for a module the strategy did not set up (or anything else), in
+    Lightning's words first, then saying what to do."""
+    control = ShardStrategy()._backward_sync_control
+    expected = f"{NOT_SET_UP}.*Got: .*not sharded"
+    with pytest.raises(TypeError, match=expected), control.no_backward_sync(module, True):
         pass
 
 
@@ -129,17 +136,21 @@ def test_a_precision_plugin_the_strategy_cannot_run_is_a_type_error() -> None:
 
 
 def test_clipping_by_norm_needs_a_set_up_module() -> None:
-    """test_grad_clipping_norm_error: ``TypeError`` for a module the strategy did not set up."""
+    """test_grad_clipping_norm_error: ``TypeError`` for a module the strategy did not set up, or for something that is
+    no module at all, in Lightning's words first, saying which call needs it."""
     module = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="was not set up with fabric.setup_module"):
-        ShardStrategy().clip_gradients_norm(module, optimizer, max_norm=1.0)
+    for given in (module, Mock()):
+        with pytest.raises(TypeError, match=NOT_SET_UP) as raised_error:
+            ShardStrategy().clip_gradients_norm(given, optimizer, max_norm=1.0)
+        assert "`ShardStrategy.clip_gradients_norm` is set up with fabric.setup_module()" in str(raised_error.value)
 
 
 def test_save_checkpoint_refuses_storage_options(tmp_path: Path) -> None:
     """test_save_checkpoint_storage_options: ``TypeError`` naming the argument, before anything is written. A
-    deliberate difference: ``storage_options`` are taken for URLs (``s3://...``), so only a local path refuses them."""
-    with pytest.raises(TypeError, match="storage_options were given for the local path"):
+    deliberate difference: ``storage_options`` are taken for URLs (``s3://...``), so only a local path refuses them.
+    The message starts in Lightning's words, then says why."""
+    with pytest.raises(TypeError, match=re.escape("`ShardStrategy.save_checkpoint(..., storage_options=...)` is not")):
         ShardStrategy().save_checkpoint(path=tmp_path, state={}, storage_options=Mock())
 
 
@@ -168,24 +179,52 @@ class _Stop(Exception):
     pass
 
 
-def test_timeout_reaches_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """test_set_timeout: the strategy's ``timeout`` is the one the process group is created with."""
+def set_up_with_timeout(monkeypatch: pytest.MonkeyPatch, timeout: timedelta) -> dict[str, Any]:
+    """Set the strategy's process group up with ``init_process_group`` replaced by a recorder; what each timeout
+    became."""
     seen: dict[str, Any] = {}
 
     def init_process_group(*args: Any, **kwargs: Any) -> None:
-        seen.update(kwargs)
-        raise _Stop
+        seen["created with"] = kwargs["timeout"]
+        raise _Stop  # stop before anything needs a real group
 
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
-    strategy = ShardStrategy(timeout=timedelta(hours=2), parallel_devices=[torch.device("cpu")])
+    strategy = ShardStrategy(timeout=timeout, parallel_devices=[torch.device("cpu")])
     strategy.cluster_environment = LightningEnvironment()
     strategy.accelerator = Mock()
     with pytest.raises(_Stop):
         strategy.setup_environment()
-    assert seen["timeout"] == timedelta(hours=2)
+    return seen
+
+
+def test_timeout_reaches_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """test_set_timeout: a ``timeout`` of 10 minutes or more is the one the process group is created with; a shorter
+    one is not (a deliberate difference): the rendezvous, every rank connecting, waits 10 minutes, and the shorter
+    ``timeout`` bounds every wait once the group exists (checked on live ranks in tests/test_stall.py)."""
+    assert set_up_with_timeout(monkeypatch, timedelta(hours=2))["created with"] == timedelta(hours=2)
+    assert set_up_with_timeout(monkeypatch, timedelta(seconds=30))["created with"] == timedelta(minutes=10)
+
+
+def threads_left_after_set_up(rank: int, world_size: int) -> dict[str, Any]:
+    f = fabric(ShardStrategy())
+    f.setup_module(nn.Linear(4, 4))
+    ours = [t for t in threading.enumerate() if t.name.startswith("lightning_shard")]
+    stoppable = [t.daemon and callable(getattr(t, "stop", None)) for t in ours]
+    for thread in ours:
+        thread.stop()  # type: ignore[attr-defined]  # what thread checks of test suites do
+    after = f.all_reduce(torch.ones(1), reduce_op="sum")  # the process group is unaffected
+    return {"threads": len(ours), "stoppable": stoppable, "alive": [t.is_alive() for t in ours], "sum": after.item()}
+
+
+def test_threads_left_running_can_be_stopped_as_test_suites_do() -> None:
+    """Lightning's test suites (and suites modelled on them) fail a test that leaves a thread running, unless it is
+    a daemon thread with a ``stop()`` that ends it. The thread publishing a rank's progress is one."""
+    for result in on_ranks(threads_left_after_set_up):
+        assert result["threads"] >= 1 and all(result["stoppable"]) and not any(result["alive"]), result
+        assert result["sum"] == 2.0
 
 
 def test_device_mesh_annotation_parses_a_pair_from_the_command_line() -> None:
@@ -300,9 +339,14 @@ def test_loading_a_path_that_is_not_a_checkpoint_is_a_value_error(tmp_path: Path
     checkpoint, for ``load`` and ``load_raw`` alike: ``ValueError`` (``CheckpointError``) naming the path.
     ``load_raw`` also reads the model of a checkpoint directory, not only a single file (a deliberate difference)."""
     (tmp_path / "empty_dir").mkdir()
+    lightnings = {  # the words of Lightning's strategies come first, for code and log searches written for them
+        "load": "does not point to a valid checkpoint",
+        "load_raw": "The given path must be a single file containing the full state dict",
+    }
     for outcome in on_ranks(load_from_an_empty_directory, str(tmp_path / "empty_dir")):
-        for message in outcome.values():
+        for call, message in outcome.items():
             assert message.startswith("CheckpointError") and "empty_dir" in message, message
+            assert lightnings[call] in message, message
     assert issubclass(lightning_shard.CheckpointError, ValueError)
 
 

@@ -205,8 +205,9 @@ def test_fsdp_policies_choose_what_fsdp_wraps_that_can_be_gathered() -> None:
 
 def test_save_checkpoint_refuses_storage_options(tmp_path: Path) -> None:
     """test_save_checkpoint_storage_options: ``TypeError`` naming the argument, before anything is written. A
-    deliberate difference: ``storage_options`` are taken for URLs (``s3://...``), so only a local path refuses them."""
-    with pytest.raises(TypeError, match="storage_options were given for the local path"):
+    deliberate difference: ``storage_options`` are taken for URLs (``s3://...``), so only a local path refuses them.
+    The message starts in Lightning's words, then says why."""
+    with pytest.raises(TypeError, match=re.escape("`ShardStrategy.save_checkpoint(..., storage_options=...)` is not")):
         ShardStrategy().save_checkpoint(checkpoint={}, filepath=tmp_path, storage_options=Mock())
 
 
@@ -221,8 +222,8 @@ class _Stop(Exception):
     pass
 
 
-def test_timeout_reaches_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """test_set_timeout: the strategy's ``timeout`` is the one the process group is created with."""
+def set_up_with_timeout(monkeypatch: pytest.MonkeyPatch, timeout: timedelta) -> timedelta:
+    """The timeout the strategy creates its process group with (``init_process_group`` replaced by a recorder)."""
     seen: dict[str, Any] = {}
 
     def init_process_group(*args: Any, **kwargs: Any) -> None:
@@ -233,12 +234,20 @@ def test_timeout_reaches_the_process_group(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.delenv(name, raising=False)  # restored afterwards: Lightning sets them on the way
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
-    strategy = ShardStrategy(timeout=timedelta(hours=2), parallel_devices=[torch.device("cpu")])
+    strategy = ShardStrategy(timeout=timeout, parallel_devices=[torch.device("cpu")])
     strategy.cluster_environment = LightningEnvironment()
     strategy.accelerator = Mock()
     with pytest.raises(_Stop):
         strategy.setup_environment()
-    assert seen["timeout"] == timedelta(hours=2)
+    return seen["timeout"]
+
+
+def test_timeout_reaches_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """test_set_timeout: a ``timeout`` of 10 minutes or more is the one the process group is created with; a shorter
+    one is not (a deliberate difference): the rendezvous, every rank connecting, waits 10 minutes, and the shorter
+    ``timeout`` bounds every wait once the group exists (checked on live ranks in tests/test_stall.py)."""
+    assert set_up_with_timeout(monkeypatch, timedelta(hours=2)) == timedelta(hours=2)
+    assert set_up_with_timeout(monkeypatch, timedelta(seconds=30)) == timedelta(minutes=10)
 
 
 def test_device_mesh_annotation_parses_a_pair_from_the_command_line() -> None:
@@ -602,6 +611,7 @@ def test_loading_a_path_that_is_not_a_checkpoint_is_a_value_error(tmp_path: Path
     (tmp_path / "empty_dir").mkdir()
     for message in on_ranks(load_from, str(tmp_path / "empty_dir")):
         assert message.startswith("CheckpointError") and "empty_dir" in message, message
+        assert "does not point to a valid checkpoint" in message, message  # Lightning's words first
     assert issubclass(lightning_shard.CheckpointError, ValueError)
 
 

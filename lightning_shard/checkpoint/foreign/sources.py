@@ -58,9 +58,10 @@ def detect(path: Path) -> CheckpointKind:
         if (path / METADATA_FILE).exists():
             return CheckpointKind.DCP_DIRECTORY
         names = sorted(p.name for p in path.iterdir())[:8]
-        raise CheckpointError(
-            f"{path} is a directory holding neither {INDEX_FILE} (a lightning_shard checkpoint) nor {METADATA_FILE}"
-            f" (a torch.distributed.checkpoint); it holds {names or 'nothing'}."
+        raise CheckpointError(  # Lightning's words first, for code and log searches written for its strategies
+            f"The path {str(path)!r} does not point to a valid checkpoint: {path} is a directory holding neither"
+            f" {INDEX_FILE} (a lightning_shard checkpoint) nor {METADATA_FILE} (a torch.distributed.checkpoint); it"
+            f" holds {names or 'nothing'}."
         )
     if not path.exists():
         raise CheckpointError(f"The checkpoint {path} does not exist.")
@@ -71,7 +72,8 @@ def detect(path: Path) -> CheckpointKind:
     hint = (" It looks like a safetensors file: load weights with lightning_shard.load_safetensors_into()."
             if path.suffix == ".safetensors" else "")
     raise CheckpointError(
-        f"{path} is a file but not a torch.save zip archive (a Lightning .ckpt), the only single-file checkpoint read"
+        f"The path {str(path)!r} does not point to a valid checkpoint: {path} is a file but not a torch.save zip"
+        " archive (a Lightning .ckpt), the only single-file checkpoint read"
         f" (files written by torch.save(..., _use_new_zipfile_serialization=False) are not).{hint}"
     )
 
