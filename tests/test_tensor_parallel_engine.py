@@ -108,22 +108,50 @@ def test_steps_clipping_and_full_params_equal_the_whole_model(options: dict[str,
             torch.testing.assert_close(result["params"][name], value.detach(), msg=name)
 
 
-def state_dict_refused(rank: int, world_size: int) -> str:
+def state_dicts(rank: int, world_size: int, strategy: str, root: str) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
+    from lightning_shard.checkpoint.state import save_checkpoint
+
+    torch.manual_seed(0)
     model = Net()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
     _parallelize(model)
-    shard_model(model, auto_wrap_policy={Block}, tensor_parallel_size=TP, device="cpu")
-    from lightning_shard.checkpoint.save.state_dict import model_state_dict
+    shard_model(model, auto_wrap_policy={Block}, tensor_parallel_size=TP, device="cpu", sharding_strategy=strategy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    model(torch.randn(2, 5)).sum().backward()
+    optimizer.step()
+    sharded = model_state_dict(model, "sharded")
+    whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sharded.items()}
+    meshes = {tuple(v.device_mesh.mesh_dim_names or ()) for v in sharded.values() if isinstance(v, DTensor)}
+    momentum = optimizer_state_dict(model, optimizer, "sharded")["state"]["blocks.0.down.weight"]["momentum_buffer"]
+    full = model_state_dict(model, "full")
+    save_checkpoint(root, model, layout="full")
+    return {"whole": whole, "full": full, "expected": expected, "meshes": meshes,
+            "momentum": (tuple(momentum.shape), tuple(momentum.placements))}  # fmt: skip
 
-    try:
-        model_state_dict(model, "sharded")
-    except NotImplementedError as err:
-        return str(err)
-    return "returned"
 
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_state_dicts_hold_dtensors_over_the_2d_mesh_and_whole_tensors(strategy: str, tmp_path: Any) -> None:
+    """The state-dict contract under tensor parallelism: sharded = DTensors over the ("data_parallel",
+    "tensor_parallel") mesh in the global shapes, whose ``full_tensor()`` is the whole weight; full = the whole
+    weights on rank 0; a full checkpoint holds them too."""
+    from safetensors.torch import load_file
 
-def test_a_state_dict_of_a_tensor_parallel_model_is_refused_not_misshaped() -> None:
-    for message in run_on_ranks(state_dict_refused, 4):
-        assert "tensor_parallel_size > 1" in message and "save a checkpoint" in message.lower()
+    results = run_on_ranks(state_dicts, 4, strategy, str(tmp_path / "full"))
+    expected = results[0]["expected"]
+    for rank, result in enumerate(results):
+        assert result["meshes"] == {("data_parallel", "tensor_parallel")}
+        assert result["momentum"][0] == (8, 12)  # blocks.0.down.weight: (8, 12) whole, split by columns
+        for name, value in expected.items():
+            torch.testing.assert_close(result["whole"][name], value, msg=f"{name}, rank {rank}")
+    assert results[0]["full"].keys() == expected.keys() and all(r["full"] == {} for r in results[1:])
+    for name, value in expected.items():
+        torch.testing.assert_close(results[0]["full"][name], value, msg=name)
+    stored = load_file(str(tmp_path / "full" / "model.safetensors"))
+    for name, value in expected.items():
+        torch.testing.assert_close(stored[name], value, msg=name)
 
 
 def test_bad_sizes_and_combinations_are_refused_at_construction() -> None:
@@ -131,8 +159,6 @@ def test_bad_sizes_and_combinations_are_refused_at_construction() -> None:
         ShardOptions.parse(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="data_parallel_size must be a positive int or 'auto'"):
         ShardOptions.parse(tensor_parallel_size=2, data_parallel_size="all")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="state_dict_type='full' is not available with tensor_parallel_size > 1"):
-        lightning_shard.ShardStrategy(tensor_parallel_size=2, state_dict_type="full")
     with pytest.raises(ValueError, match="parallelize_fn applies a tensor-parallel plan"):
         lightning_shard.fabric.ShardStrategy(parallelize_fn=lambda module, mesh: module)
 

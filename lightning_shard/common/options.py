@@ -120,11 +120,6 @@ class ShardOptions:
                 " (precision='bf16-mixed' on the Trainer or Fabric)."
             )
         strategy = ShardingStrategy.parse(sharding_strategy_name(sharding_strategy))
-        if tensor_parallel_size != 1 and StateDictType.parse(state_dict_type) is StateDictType.FULL:
-            raise ValueError(
-                "state_dict_type='full' is not available with tensor_parallel_size > 1 yet: use 'sharded' (every"
-                " tensor is stored whole, loadable at any size) and `lightning-shard consolidate` for one file."
-            )
         return cls(
             sharding_strategy=strategy,
             wrap_policy=resolve_wrap_policy(auto_wrap_policy),

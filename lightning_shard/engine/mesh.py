@@ -77,6 +77,7 @@ class ShardMesh:
     # global gradient norm sums over that group; set by ``shard_module``.
     tensor_parallel_group: ProcessGroup | None = None
     tensor_parallel_parts: set[int] = field(default_factory=set)
+    tensor_parallel_root: DeviceMesh | None = None  # the plan's ("data_parallel", "tensor_parallel") mesh
     _device_mesh: _DeviceMeshCache | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

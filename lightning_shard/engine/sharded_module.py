@@ -323,6 +323,14 @@ class ShardedModule:
         return out[: p.rows].reshape(p.global_shape).to(local.device)
 
 
+    def gather_whole(self, p: ShardedParam, local: Tensor) -> Tensor:
+        """``gather_full``, then for a tensor-parallel part the whole tensor from every rank's part. Collective."""
+        full = self.gather_full(p, local)
+        if p.tensor_parallel is not None and p.tensor_parallel.shard_dim is not None:
+            full = p.tensor_parallel.face(full).full_tensor()
+        return full
+
+
 def sharded_module_of(module: nn.Module) -> ShardedModule | None:
     """The engine that sharded ``module`` (as the root), or of the module a wrapper holds as ``_forward_module``
     (Fabric's set-up module); ``None`` if it was not sharded."""

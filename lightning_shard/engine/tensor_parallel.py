@@ -131,8 +131,11 @@ def tensor_parallel_layout(fqn: str, param: Tensor, tensor_parallel_size: int) -
 
 def note_tensor_parallel_parts(mesh: ShardMesh, params: list[tuple[TensorParallelLayout | None, Tensor]]) -> None:
     """Record on ``mesh`` the sharded faces (of ``(layout, sharded face)`` pairs) that hold rows of one
-    tensor-parallel part, and the tensor-parallel group: the global gradient norm sums those over the group."""
+    tensor-parallel part, and the tensor-parallel group: the global gradient norm sums those over the group; and the
+    plan's 2-D mesh, which state dicts place their ``DTensor``s on."""
     for layout, sharded in params:
+        if layout is not None:
+            mesh.tensor_parallel_root = layout.device_mesh._get_root_mesh()
         if layout is not None and layout.shard_dim is not None:
             mesh.tensor_parallel_group = layout.device_mesh.get_group()
             mesh.tensor_parallel_parts.add(id(sharded))

@@ -563,13 +563,13 @@ class _FullWriter(_Plan):
         writer = None
         in_file = {k: k.removeprefix(MODEL_PREFIX) for k, _, _ in items}  # model.safetensors: plain state_dict keys
         if self.rank == 0:
-            specs = [(in_file[k], t.dtype, tuple(p.global_shape) if p is not None else tuple(t.shape))
+            specs = [(in_file[k], t.dtype, tuple(p.full_shape) if p is not None else tuple(t.shape))
                      for k, p, t in items]
             metadata = {"format": FORMAT_NAME, "ties": json.dumps(self.ties)}
             writer = SafetensorsStreamWriter(self.tmp / file, specs, metadata=metadata, checksums=True)
         try:
             for key, p, local in items:
-                full = self.engine.gather_full(p, local) if p is not None else local
+                full = self.engine.gather_whole(p, local) if p is not None else local
                 if writer is not None:
                     writer.write(in_file[key], full)
                 del full  # at most one full tensor at a time

@@ -37,6 +37,10 @@ strategies renumber the full layout's keys by position on rank 0).
   accept one), so under ``"sharded"`` it is a ``DTensor`` replicated on every rank (``Replicate()`` on every mesh
   dimension) whose value each rank receives from its shard rank 0 (one broadcast of one element: a copy, not a view).
   Its per-row optimizer state likewise.
+- Under tensor parallelism the mesh is the plan's ``("data_parallel", "tensor_parallel")`` mesh and the shape the
+  whole tensor's: a row-wise part is ``[Shard(0), Shard(1)]``, a column-wise part ``[_StridedShard(0), Shard(0)]``
+  (split by the data-parallel ranks after the tensor-parallel split, as FSDP2 with a plan gives it), a replicated one
+  ``[Shard(0), Replicate()]`` (``Replicate()`` first under ``NO_SHARD``); ``"full"`` gathers over both.
 
 Either layout is a collective: every rank calls it, in the same order. Nothing is written anywhere.
 """
@@ -88,13 +92,15 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, layout: StateD
 
 
 def _refuse_tensor_parallel(engine: ShardedModule) -> None:
-    """State dicts of a tensor-parallel model (DTensors over the 2-D mesh) are not built yet: refused, not given in a
-    layout that would mislead. Checkpoints (``save_checkpoint``, ``fabric.save``) hold every tensor whole."""
-    if engine.mesh.tensor_parallel_size > 1:
+    """Under tensor parallelism the data-parallel ranks must be one axis (the 2-D mesh's ``"data_parallel"``): a
+    ``HYBRID_SHARD`` layout of them is refused, not given in a layout that would mislead. Checkpoints
+    (``save_checkpoint``, ``fabric.save``) hold every tensor whole in any layout."""
+    mesh = engine.mesh
+    if mesh.tensor_parallel_size > 1 and mesh.replicas > 1 and mesh.shard_size > 1:
         raise NotImplementedError(
-            "state_dict() of a model trained with tensor_parallel_size > 1 is not available yet. Save a checkpoint"
-            " (trainer.save_checkpoint / fabric.save: every tensor whole, loadable at any size) and read it with"
-            " `lightning-shard consolidate` or `export`."
+            "state_dict() of a model trained with tensor_parallel_size > 1 and HYBRID_SHARD is not available yet."
+            " Save a checkpoint (trainer.save_checkpoint / fabric.save: every tensor whole, loadable at any size) and"
+            " read it with `lightning-shard consolidate` or `export`."
         )
 
 
@@ -105,7 +111,7 @@ def _full_model_state_dict(engine: ShardedModule) -> dict[str, Any]:
     mesh = engine.mesh
     if mesh.replicate_rank != 0:
         return {}  # replicas hold the same shards as replica 0, whose ranks gather for rank 0
-    holds = mesh.rank == 0
+    holds = mesh.rank == 0 and mesh.tensor_parallel_rank == 0  # global rank 0
     units = _unit_names(engine)
     out: dict[str, Any] = {}
     gathered: dict[int, Tensor | None] = {}  # a tied weight is gathered once, on every rank alike
@@ -132,7 +138,7 @@ def _full_optimizer_state_dict(
     mesh = engine.mesh
     if mesh.replicate_rank != 0:
         return {}
-    holds = mesh.rank == 0
+    holds = mesh.rank == 0 and mesh.tensor_parallel_rank == 0  # global rank 0
     units = _unit_names(engine)
     full_state: dict[str, dict[str, Any]] = {}
     for name, param_state in state.items():
@@ -155,7 +161,7 @@ def _gather_to_cpu(engine: ShardedModule, p: ShardedParam, local: Tensor, unit: 
     """``p``'s full tensor from every rank's rows ``local`` (shaped like ``p.sharded``), in a CPU tensor of its own
     (not a view into a padded buffer: ``torch.save`` of a view writes its whole storage). Collective."""
     with about(unit):  # a stalled gather names the unit
-        full = engine.gather_full(p, local).cpu()
+        full = engine.gather_whole(p, local).cpu()
     if full.untyped_storage().nbytes() != full.numel() * full.element_size():
         full = full.clone()
     return full
@@ -197,7 +203,9 @@ def _sharded_optimizer_state_dict(
 
 def _device_mesh(engine: ShardedModule) -> DeviceMesh:
     """The mesh the DTensors live on, for the device the shards live on (the CPU under ``cpu_offload``), so that no
-    local tensor is moved."""
+    local tensor is moved; under tensor parallelism the ``("data_parallel", "tensor_parallel")`` mesh of the plan."""
+    if engine.mesh.tensor_parallel_root is not None:
+        return engine.mesh.tensor_parallel_root
     return engine.mesh.device_mesh(engine.sharding_strategy, engine.units[0].shard_device.type)
 
 
@@ -209,9 +217,27 @@ def _as_dtensor(engine: ShardedModule, device_mesh: DeviceMesh, p: ShardedParam,
         scalar = _scalar_from_shard_rank0(engine, device_mesh, p, local, unit)
         placements: list[Placement] = [Replicate()] * device_mesh.ndim
         return DTensor.from_local(scalar, device_mesh, placements, shape=torch.Size(), stride=())
+    placements = _placements(device_mesh) if engine.mesh.tensor_parallel_size == 1 else _two_d_placements(engine, p)
     return DTensor.from_local(
-        local, device_mesh, _placements(device_mesh), shape=p.global_shape, stride=_contiguous_stride(p.global_shape)
+        local, device_mesh, placements, shape=p.full_shape, stride=_contiguous_stride(p.full_shape)
     )
+
+
+def _two_d_placements(engine: ShardedModule, p: ShardedParam) -> list[Placement]:
+    """Under tensor parallelism, the placements of this rank's rows on the ``("data_parallel", "tensor_parallel")``
+    mesh: the data-parallel ranks split the tensor-parallel part by rows (``Replicate()`` under ``NO_SHARD``); a part
+    that is itself rows of the whole tensor (``Shard(0)``) is split after the tensor-parallel split, which
+    ``_StridedShard`` says, as FSDP2 with a tensor-parallel plan does."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    tp = p.tensor_parallel
+    tp_placement: Placement = tp.placements[0] if tp is not None else Replicate()
+    if engine.mesh.shard_size == 1:
+        return [Replicate(), tp_placement]
+    if tp is not None and tp.shard_dim == 0:
+        return [_StridedShard(0, split_factor=engine.mesh.tensor_parallel_size), tp_placement]
+    return [Shard(0), tp_placement]
 
 
 def _placements(device_mesh: DeviceMesh) -> list[Placement]:
@@ -234,7 +260,7 @@ def _scalar_from_shard_rank0(
     else:
         sent = torch.empty((), dtype=local.dtype, device=engine.device)
     with about(unit):
-        dist.broadcast(sent, group=device_mesh.get_group("shard"), group_src=0)
+        dist.broadcast(sent, group=engine.mesh.shard_group or dist.group.WORLD, group_src=0)
     return local.view(()) if p.local_rows == 1 else sent.to(local.device)
 
 
