@@ -32,9 +32,9 @@ def set_up(rank: int, world_size: int, meta: bool, differ: str | None) -> dict[s
     broadcast = collectives.broadcast_from_rank0
     sizes: list[int] = []
 
-    def counted(tensor: torch.Tensor) -> None:
+    def counted(tensor: torch.Tensor, group: Any = None) -> None:
         sizes.append(tensor.numel())
-        broadcast(tensor)
+        broadcast(tensor, group)
 
     with unittest.mock.patch.object(collectives, "broadcast_from_rank0", counted):
         engine = shard_model(model, auto_wrap_policy={GPTBlock}, device="cpu")
