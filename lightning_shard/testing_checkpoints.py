@@ -8,8 +8,9 @@ scales with the writer's world size.
 
 ``simulate_save`` writes the checkpoint directory that ``save_checkpoint`` called on ``world_size`` ranks of a
 ``FULL_SHARD`` mesh ``(1, world_size)`` writes for the same weights, optimizer state and values: one shard file per
-rank holding rows (by the rule of [Note: rows by rule]), the trainer state and the index. It runs the save's own
-code for everything but the collectives (``write_shard_file`` for each simulated rank's file, ``build_index``,
+rank (its rows by the rule of [Note: rows by rule], and the tensors it stores whole by [Note: small tensors stored
+whole]), the trainer state and the index. It runs the save's own code for everything but the collectives
+(``shard_file_tensors`` and ``write_shard_file`` for each simulated rank's file, ``build_index``,
 ``encode_index``, ``commit``), so the result is what a real save writes; tests check that against a real 2-rank
 save. Memory stays at the model (each rank's rows are views of the full tensors).
 
@@ -20,6 +21,7 @@ write at a world size: how big it is, against the limit a load reads (``MAX_JSON
 from __future__ import annotations
 
 import hashlib
+import math
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -34,7 +36,7 @@ from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, Ch
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.checkpoint.io.files import CheckpointFiles
 from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_index, encode_index
-from lightning_shard.checkpoint.io.layout import shard_rows
+from lightning_shard.checkpoint.io.layout import shard_rows, splits_by_rows, whole_owners
 from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
 from lightning_shard.checkpoint.save.save import (
     StateDictType,
@@ -44,9 +46,8 @@ from lightning_shard.checkpoint.save.save import (
     write_shard_file,
     write_trainer_state,
 )
+from lightning_shard.checkpoint.save.whole import Held, Local, Rows, shard_file_tensors
 from lightning_shard.engine.policies import ShardingStrategy
-
-_Local = list[tuple[str, Tensor, tuple[int, int] | None]]
 
 
 def simulate_save(
@@ -81,7 +82,7 @@ def simulate_save(
     records += write_trainer_state(tmp, to_json_tree(dict(values or {}), tensors), tensors)
     contents = saved_tensors([(fqn, tuple(p.shape), p.dtype) for fqn, p in params], buffers,
                              [(name, tuple(full.shape) if full is not None else None, value)
-                              for name, full, value in optim], split=True)
+                              for name, full, value in optim], world_size)
     head = index_head(StateDictType.SHARDED, world_size, (1, world_size), ShardingStrategy.FULL_SHARD.value, ties,
                       [meta for meta, _ in plans])
     commit(tmp, path, encode_index(build_index(head, contents, records)))
@@ -125,26 +126,25 @@ def _shard_tensors(
     params: list[tuple[str, nn.Parameter]],
     optim: list[tuple[str, Tensor | None, Tensor]],
     buffers: list[tuple[str, Tensor]],
-) -> _Local:
-    """What rank ``shard`` of the simulated world writes, in the order a real rank writes it (``local_tensors``)."""
-    out: _Local = []
+) -> Local:
+    """What rank ``shard`` of the simulated world writes, as a real rank decides it (``shard_file_tensors``, from
+    views of the rows it would hold, in the order ``local_tensors`` gives them)."""
+    full: dict[str, Tensor] = {}
 
-    def rows_of(key: str, full: Tensor, value: Tensor) -> None:
-        rows = full.shape[0] if full.dim() else 1
+    def rows_of(key: str, shape: torch.Size, value: Tensor) -> Held:
+        rows = shape[0] if len(shape) else 1
         lo, hi = shard_rows(rows, world_size, shard)
-        if hi > lo:
-            out.append((key, value.detach().reshape(rows, *value.shape[1:])[lo:hi], (lo, hi)))
+        full[key] = value.detach()
+        return key, value.detach().reshape(rows, *value.shape[1:])[lo:hi], tuple(shape)
 
-    for fqn, p in params:
-        rows_of(MODEL_PREFIX + fqn, p, p)
-    for name, full, value in optim:
-        if full is not None:
-            rows_of(name, full, value)
-        elif shard == 0:
-            out.append((name, value, None))
-    if shard == 0:
-        out.extend((MODEL_PREFIX + k, v, None) for k, v in buffers)
-    return out
+    held = [rows_of(MODEL_PREFIX + fqn, p.shape, p) for fqn, p in params]
+    held += [rows_of(name, p.shape, value) if p is not None else (name, value, None) for name, p, value in optim]
+    held += [(MODEL_PREFIX + k, v, None) for k, v in buffers]
+
+    def gather(whole: Sequence[Rows], owners: dict[str, int]) -> dict[str, Tensor]:
+        return {key: full[key].reshape(shape) for key, _, shape in whole if owners[key] == shard}
+
+    return shard_file_tensors(held, shard, world_size, gather)
 
 
 def simulated_index(
@@ -157,15 +157,22 @@ def simulated_index(
     ``param_shapes`` (name -> global shape) with an Adam-like optimizer (``optimizer_states`` shaped like each
     parameter, and a scalar ``step``): built in memory, no tensor allocated, no file written. Raises
     ``CheckpointError`` as a save does when it would exceed ``MAX_JSON_BYTES``."""
-    tensors = [SavedTensor(MODEL_PREFIX + name, tuple(shape), dtype, True) for name, shape in param_shapes.items()]
+    def saved(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> SavedTensor:
+        return SavedTensor(key, shape, dtype, splits_by_rows(shape, dtype, world_size))
+
+    tensors = [saved(MODEL_PREFIX + name, tuple(shape), dtype) for name, shape in param_shapes.items()]
     for name, shape in param_shapes.items():
         tensors.append(SavedTensor(f"{OPTIMIZER_PREFIX}0/{name}/step", (), torch.float32, False))
-        tensors += [SavedTensor(f"{OPTIMIZER_PREFIX}0/{name}/{state}", tuple(shape), torch.float32, True)
+        tensors += [saved(f"{OPTIMIZER_PREFIX}0/{name}/{state}", tuple(shape), torch.float32)
                     for state in optimizer_states]
-    whole = {t.key: t.key for t in tensors if not t.split}
+    in_file: list[dict[str, str]] = [{} for _ in range(world_size)]
+    in_file[0] = {t.key: t.key for t in tensors if t.key.endswith("/step")}
+    owners = whole_owners([(t.key, math.prod(t.shape) * t.dtype.itemsize) for t in tensors
+                           if not t.split and not t.key.endswith("/step")], world_size)
+    for key, shard in owners.items():
+        in_file[shard][key] = key
     digest = hashlib.sha256(b"").hexdigest()
-    records = [FileRecord(shard_file_name(s, world_size), 10**11, digest, s, whole if s == 0 else {})
-               for s in range(world_size)]
+    records = [FileRecord(shard_file_name(s, world_size), 10**11, digest, s, in_file[s]) for s in range(world_size)]
     records += [FileRecord(name, 10**6, digest, None) for name in ("trainer_state.json", "trainer_state.safetensors")]
     options = {"lr": 1e-4, "betas": {"__tuple__": [0.9, 0.95]}, "eps": 1e-8, "weight_decay": 0.1}
     optimizers = [{"param_groups": [{"params": list(param_shapes), "options": options}], "values": {}}]

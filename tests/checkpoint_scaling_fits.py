@@ -146,6 +146,23 @@ def plain_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     return {"params": params, "optimizer": optim}
 
 
+def with_layout(rank: int, world_size: int, layout: dict[str, int], fn: Any, *args: Any) -> Any:
+    """``fn(rank, world_size, *args)`` with saves laying out their tensors by the constants of ``layout`` (names in
+    ``lightning_shard.checkpoint.format``: ``SPLIT_PIECE_MIN_BYTES``, ``WHOLE_FILE_MIN_BYTES``; see [Note: small
+    tensors stored whole]); ``SPLIT_PIECE_MIN_BYTES`` 0 splits every tensor the shards hold by rows, as version-3
+    saves did before they stored small tensors whole."""
+    from lightning_shard.checkpoint import format as checkpoint_format
+
+    defaults = {name: getattr(checkpoint_format, name) for name in layout}
+    for name, value in layout.items():
+        setattr(checkpoint_format, name, value)
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        for name, value in defaults.items():  # the worker process serves later tests
+            setattr(checkpoint_format, name, value)
+
+
 def save_sharded(rank: int, world_size: int, path: str, model_class: type[nn.Module]) -> dict[str, Any]:
     """``model_class`` after one AdamW step on ``world_size`` ranks, saved at ``path``; its full state."""
     torch.manual_seed(0)

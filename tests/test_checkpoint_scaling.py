@@ -3,7 +3,11 @@ only the files holding their rows, a save that gathers the files' records on ran
 load would refuse, and version-1 checkpoints (which listed every piece) still read.
 
 Large worlds are simulated: ``lightning_shard.testing_checkpoints.simulate_save`` writes, in one process, the
-directory ``world_size`` ranks would write, with the save's own code (checked here against a real 2-rank save)."""
+directory ``world_size`` ranks would write, with the save's own code (checked here against a real 2-rank save).
+
+Most tests here read rows split over many files: their saves split every tensor the shards hold by rows
+(``SPLIT_PIECE_MIN_BYTES`` 0, as version-3 saves did before they stored small tensors whole, and as they still split
+large ones); tests/test_checkpoint_small_tensors.py tests the rule of [Note: small tensors stored whole]."""
 
 from __future__ import annotations
 
@@ -44,11 +48,21 @@ from tests.checkpoint_scaling_fits import (
     plain_state,
     save_sharded,
     trained_plain,
+    with_layout,
     write_version_1_fixture,
 )
 from tests.models import TinyGPT
 
 SIMULATED_WORLD = 1024
+SPLIT_ALL = {"SPLIT_PIECE_MIN_BYTES": 0}
+# TinyGPT at 2 ranks and at 8: some tensors split by rows, and the others stored whole, dealt to every shard
+MIXED = {"SPLIT_PIECE_MIN_BYTES": 256, "WHOLE_FILE_MIN_BYTES": 1}
+
+
+@pytest.fixture(autouse=True)
+def split_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves in this process split every tensor the shards hold by rows (see the module's docstring)."""
+    monkeypatch.setattr(checkpoint_format, "SPLIT_PIECE_MIN_BYTES", 0)
 
 
 def _assert_equal_states(got: dict[str, dict[str, torch.Tensor]], expected: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -69,9 +83,10 @@ def test_the_rows_a_shard_file_holds_are_the_rows_the_engine_gives_that_shard() 
 
 @pytest.fixture(scope="module")
 def two_and_eight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """TinyGPT after one AdamW step, saved by 2 ranks and by 8."""
+    """TinyGPT after one AdamW step, saved by 2 ranks and by 8, some tensors split by rows and some stored whole."""
     root = tmp_path_factory.mktemp("scaling")
-    states = {ws: run_on_ranks(save_sharded, ws, str(root / f"w{ws}"), TinyGPT)[0] for ws in (2, 8)}
+    states = {ws: run_on_ranks(with_layout, ws, MIXED, save_sharded, str(root / f"w{ws}"), TinyGPT)[0]
+              for ws in (2, 8)}
     return {"root": root, "states": states}
 
 
@@ -81,11 +96,14 @@ def test_an_index_grows_with_files_not_with_tensors_times_files(two_and_eight: d
     assert sizes[8] <= 1.5 * sizes[2], sizes
     index = {ws: json.loads((root / f"w{ws}" / INDEX_FILE).read_text()) for ws in (2, 8)}
 
-    def entries(ws: int) -> dict[str, Any]:  # whole tensors name shard 0's file, whose name says the world size
+    def entries(ws: int) -> dict[str, Any]:  # split by rows, or whole in a shard file (whose name says the world size)
         tensors = index[ws]["tensors"].items()
-        return {k: {**e, "file": e.get("file", "").replace(f"-of-{ws:05d}", "")} for k, e in tensors}
+        return {k: {"shape": e["shape"], "dtype": e["dtype"], "in": e.get("split", e.get("file") in index[ws][
+            "shard_files"] and e["key"] == k)} for k, e in tensors}
 
-    assert entries(8) == entries(2)  # one entry per tensor, whatever world wrote it
+    assert {k: e["shape"] for k, e in entries(8).items()} == {k: e["shape"] for k, e in entries(2).items()}
+    for ws in (2, 8):  # one entry per tensor, whatever world wrote it
+        assert {e["in"] for e in entries(ws).values()} == {"rows", True}, ws
     assert index[8]["shard_files"] == [shard_file_name(s, 8) for s in range(8)]
 
 
@@ -94,7 +112,11 @@ def test_a_checkpoint_of_8_ranks_loads_on_2_with_exactly_its_tensors(two_and_eig
         _assert_equal_states(loaded, two_and_eight["states"][8])
 
 
-def test_a_simulated_save_writes_what_a_real_save_writes(two_and_eight: dict[str, Any], tmp_path: Path) -> None:
+def test_a_simulated_save_writes_what_a_real_save_writes(
+    two_and_eight: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in MIXED.items():
+        monkeypatch.setattr(checkpoint_format, name, value)
     saved = two_and_eight["states"][2]  # the real 2-rank save's full state, into a plain model and optimizer
     model, optimizer = trained_plain(TinyGPT)
     model.load_state_dict(saved["params"])
@@ -111,9 +133,12 @@ def test_a_simulated_save_writes_what_a_real_save_writes(two_and_eight: dict[str
 
 @pytest.fixture(scope="module")
 def tall(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """TallGPT after one AdamW step, saved as 1,024 FULL_SHARD ranks would save it."""
+    """TallGPT after one AdamW step, saved as 1,024 FULL_SHARD ranks would save it, every tensor split by rows."""
     model, optimizer = trained_plain(TallGPT)
-    path = simulate_save(tmp_path_factory.mktemp("tall") / "ckpt", model, SIMULATED_WORLD, [optimizer], {"step": 1})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint_format, "SPLIT_PIECE_MIN_BYTES", 0)
+        path = simulate_save(tmp_path_factory.mktemp("tall") / "ckpt", model, SIMULATED_WORLD, [optimizer],
+                             {"step": 1})
     return {"path": path, "state": plain_state(model, optimizer), "model": model, "optimizer": optimizer}
 
 
@@ -238,7 +263,7 @@ def test_any_rows_of_a_split_tensor_read_exactly_as_saved(
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(23, 2), torch.nn.Linear(2, 23))  # in shards 0-1, the 2 rows first
     ckpt = simulate_save(tmp_path / "ckpt", model, 7)  # 23 rows: 4 a shard, 3 in shard 5
-    assert sorted(p.name for p in ckpt.glob("shard-*")) == [shard_file_name(s, 7) for s in range(6)]
+    assert sorted(p.name for p in ckpt.glob("shard-*")) == [shard_file_name(s, 7) for s in range(7)]  # 6: empty
     index = read_index(ckpt)
     for name, value in model.state_dict().items():
         entry = index["tensors"]["model/" + name]
@@ -446,8 +471,9 @@ def test_a_checkpoint_of_an_earlier_version_still_loads_at_any_world_size(fixtur
 
 
 def _flip_in(ckpt: Path, shard: int, key: str, at: int) -> Path:
-    """Flip a bit of byte ``at`` of ``key``'s data in the file of shard ``shard`` of ``ckpt`` (of 2); that file."""
-    path = ckpt / shard_file_name(shard, 2)
+    """Flip a bit of byte ``at`` of ``key``'s data in the file of shard ``shard`` of ``ckpt`` (of 2), or in the file
+    that holds it whole; that file."""
+    path = ckpt / json.loads((ckpt / INDEX_FILE).read_text())["tensors"][key].get("file", shard_file_name(shard, 2))
     raw = path.read_bytes()
     length = struct.unpack("<Q", raw[:8])[0]
     begin, end = json.loads(raw[8 : 8 + length])[key]["data_offsets"]
@@ -456,23 +482,23 @@ def _flip_in(ckpt: Path, shard: int, key: str, at: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, "3, small tensors whole"])
 @pytest.mark.parametrize(("shard", "key", "at"), [
     (0, "model/mix.weight", 13), (0, "optimizer/0/mix.bias/exp_avg_sq", 5), (1, "model/embed.weight", 2)],
     ids=["a weight, in the row a third rank reads alone", "an optimizer moment of a bias",
          "a file that not every rank reads"])
 def test_a_flipped_byte_is_refused_at_any_world_size_and_the_model_and_optimizer_keep_their_state(
-    tmp_path: Path, version: int, shard: int, key: str, at: int
+    tmp_path: Path, version: int | str, shard: int, key: str, at: int
 ) -> None:
-    """Written on 2 ranks, one bit flipped in one shard's file, loaded on 1, 2 and 3 ranks: refused on every rank,
-    naming the file; the model and the optimizer hold what they held before the load (and train on), also on the
-    ranks that read only intact files."""
+    """Written on 2 ranks, one bit flipped in one shard's file (or in the file holding the tensor whole), loaded on
+    1, 2 and 3 ranks: refused on every rank, naming the file; the model and the optimizer hold what they held before
+    the load (and train on), also on the ranks that read only intact files."""
     ckpt = tmp_path / "ckpt"
     if version == 2:
         shutil.copytree(FIXTURE_V2, ckpt)
-    else:
-        run_on_ranks(write_version_1_fixture, 2, str(ckpt))  # today's writer
-    assert json.loads((ckpt / INDEX_FILE).read_text())["version"] == version
+    else:  # today's writer, splitting every tensor or by its rule (this model's tensors are all stored whole)
+        run_on_ranks(with_layout, 2, SPLIT_ALL if version == 3 else {}, write_version_1_fixture, str(ckpt))
+    assert json.loads((ckpt / INDEX_FILE).read_text())["version"] == (2 if version == 2 else 3)
     damaged = _flip_in(ckpt, shard, key, at)
     for world_size in (1, 2, 3):
         for rank, result in enumerate(run_on_ranks(load_refused, world_size, str(ckpt))):

@@ -229,12 +229,14 @@ def test_a_piece_failing_its_checksum_fails_the_export(tmp_path: Path, monkeypat
     shutil.copytree(ckpt, damaged)
     from lightning_shard.checkpoint.format.safetensors_header import read_safetensors_header
 
-    shard = damaged / "shard-00001-of-00002.safetensors"
+    key = "model/model.transformer.h.1.mlp.c_fc.weight"
+    entry = json.loads((damaged / "index.json").read_text())["tensors"][key]
+    shard = damaged / entry.get("file", "shard-00001-of-00002.safetensors")  # whole in one file, or rank 1's rows
     data = shard.read_bytes()
     header = read_safetensors_header(shard, len(data))
-    at = header.data_start + header.entries["model/model.transformer.h.1.mlp.c_fc.weight"].begin + 5
+    at = header.data_start + header.entries[key].begin + 5
     shard.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
     monkeypatch.setattr(export, "_BLOCK_BYTES", 100)  # the export reads a piece in parts: each part checked
-    with pytest.raises(CheckpointError, match=r"shard-00001-of-00002.safetensors is corrupted: bytes"):
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: bytes"):
         export.export_hf(damaged, tmp_path / "hf", prefix="model.")
     assert not (tmp_path / "hf").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["damaged.ckpt"]

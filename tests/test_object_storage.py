@@ -19,6 +19,7 @@ from lightning_shard.checkpoint.io.storage import RemoteDirectory
 from lightning_shard.engine import shard_model
 from lightning_shard.testing import run_on_ranks
 from tests.checkpoint_fits import fit, global_losses, module_full_state
+from tests.checkpoint_scaling_fits import with_layout
 from tests.models import GPTBlock, TinyGPT, make_dataset
 from tests.s3_server import S3Server, running_s3_server
 
@@ -172,9 +173,9 @@ def test_a_flipped_byte_in_an_object_is_refused_at_the_writers_world_size_and_an
     url = f"s3://{BUCKET}/engine/flipped"
     run_on_ranks(train_and_save, 2, url, _options(s3.env))
     fs = _s3fs(s3.env)
-    (shard,) = [n for n in _objects(s3.env, "engine/flipped") if n.endswith("shard-00001-of-00002.safetensors")]
+    (shard,) = [n for n in _objects(s3.env, "engine/flipped") if n.endswith("shard-00000-of-00002.safetensors")]
     data = bytearray(fs.cat(f"{BUCKET}/engine/flipped/{shard}"))
-    data[-3] ^= 0x01  # in the last tensor of rank 1's file: a small piece of the optimizer's state
+    data[-3] ^= 0x01  # in the last tensor of rank 0's file, which holds this small model's tensors whole
     fs.pipe(f"{BUCKET}/engine/flipped/{shard}", bytes(data))
     for world_size in (2, 3):
         for r in run_on_ranks(load_refused_on_s3, world_size, url, _options(s3.env)):
@@ -256,7 +257,10 @@ def load_tagged(rank: int, world_size: int, url: str, env: dict[str, str]) -> in
 
 def test_a_sharded_load_downloads_about_each_ranks_share(s3: S3Server) -> None:
     url = f"s3://{BUCKET}/bytes/ck"
-    run_on_ranks(train_and_save, 2, url, _options(s3.env), 1, 128)  # 4.8 MB: the index and headers are ~1% of it
+    # 4.8 MB: the index and headers are ~1% of it. Every tensor split by rows: by default this model's tensors (each
+    # under 128 KiB) are stored whole, and a rank needing half of one reads the 64 KiB blocks that hold its half
+    split = {"SPLIT_PIECE_MIN_BYTES": 0}
+    run_on_ranks(with_layout, 2, split, train_and_save, url, _options(s3.env), 1, 128)
     sizes = {p.rsplit("/", 1)[1]: size for p, size in _s3fs(s3.env).du(f"{BUCKET}/bytes/ck", total=False).items()}
     share = sum(sizes.values()) / 2
     s3.reset_counts()

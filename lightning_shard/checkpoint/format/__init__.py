@@ -10,11 +10,13 @@ See docs/checkpoint_format.md for the specification. In short::
       index.json                  format, version, world size and mesh, files (size, sha256), tensors
       trainer_state.json          Lightning's checkpoint without model/optimizer tensors, as JSON
       trainer_state.safetensors   tensors found in that state (e.g. a metric or scaler value)
-      shard-00000-of-00002.safetensors   rank 0's rows of every parameter and optimizer-state tensor
+      shard-00000-of-00002.safetensors   rank 0's rows of the parameters and optimizer-state tensors split by rows,
+                                         and tensors stored whole
       ...                         ("full" checkpoints: model.safetensors and optimizer.safetensors)
 
 The index gives each tensor's global shape and dtype and where it is stored: split by rows over the shard
-files by the writer's rule, or whole in one file (``io/layout.py``). Each safetensors file records the CRC-32 of
+files by the writer's rule, or whole in one file (``io/layout.py``; a save of the current version splits only
+tensors whose pieces take at least ``SPLIT_PIECE_MIN_BYTES``). Each safetensors file records the CRC-32 of
 every tensor it holds in its own header. ``io/index.py`` reads and writes ``index.json``; ``io/reader.py`` reads
 rows.
 """
@@ -40,6 +42,8 @@ TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 MODEL_PREFIX = "model/"  # index keys of model tensors: "model/" + LightningModule state_dict key
 OPTIMIZER_PREFIX = "optimizer/"  # "optimizer/{i}/{parameter name}/{state name}"
 SMALL_PIECE_BYTES = 64  # a shard file holds pieces this small first in each part (see [Note: small pieces together])
+SPLIT_PIECE_MIN_BYTES = 64 * 2**10  # a sharded save stores whole a tensor whose pieces would be smaller (io/layout.py)
+WHOLE_FILE_MIN_BYTES = 8 * 2**20  # ... in the files of as many shards as it takes for each to hold this much of them
 
 # The one limit on a checkpoint's JSON members (index.json, trainer_state.json): a load refuses a larger one, and a
 # save refuses to write one, before anything is committed. An index of the current version grows with tensors + files

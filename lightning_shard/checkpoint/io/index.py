@@ -317,7 +317,7 @@ def build_index(head: dict[str, Any], tensors: Sequence[SavedTensor], records: S
     entries: dict[str, dict[str, Any]] = {}
     for t in tensors:
         entry: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-        if t.split and t.key in listed:
+        if t.key in listed:  # pieces a tensor-parallel save's files list (whatever the split rule would do)
             entry["split"], entry["pieces"] = SPLIT_BY_PIECES, sorted(listed[t.key], key=lambda p: p["rows"][0])
         elif t.split:
             entry["split"] = SPLIT_BY_ROWS

@@ -1,25 +1,45 @@
 """Where the rows of each checkpoint tensor are stored: the writer's shard rule, pieces, and their checks.
 
 [Note: rows by rule]
-A sharded save stores each parameter, and each optimizer tensor shaped like it, as its shards hold it: the
+A sharded save stores each parameter, and each optimizer tensor shaped like it, as its shards hold it (but those
+whose pieces would be small: see [Note: small tensors stored whole]): the
 ``shard_size`` ranks of the mesh's first row (replica 0) each write their rows, and rank ``s`` of that row holds
 rows ``[s * c, min(n, (s + 1) * c))`` of a tensor of ``n`` rows (a 0-dim tensor is one row), ``c = ceil(n /
 shard_size)`` (the engine's rule, ``ShardedParam.rows_held_by``). The index records that rule once: the mesh and
 the file each shard wrote (``shard_files``), and per tensor only ``"split": "rows"``. A reader computes which
 files hold the rows it needs; the index grows with tensors + files, never with tensors x files. Version 1 of the
 format listed every (tensor, rank) piece instead; it is still read (``Listed``).
+
+[Note: small tensors stored whole]
+Split by rows, a tensor costs every reader of it a piece in each of the files its rows lie in: a header entry to
+parse and a piece to check, whatever the piece's size. Pieces of a few bytes or KiB (a bias, a norm's weight, or any
+tensor at a large world size) cost far more to find than to read: a GPT of 25M parameters saved by 1,024 ranks had
+pieces of 4 bytes to 8 KiB in every file, and a rank loading it on 2 read 512 headers and checked 95,000 pieces. So a
+sharded save splits a tensor by rows only when each of its pieces (``ceil(rows / shard_size)`` rows) takes at least
+``SPLIT_PIECE_MIN_BYTES`` (``splits_by_rows``). A smaller one is stored whole, in the file of one shard, and so are
+the optimizer tensors and averaged weights shaped like it (each by its own size). Those files are few but not one:
+the tensors stored whole are dealt round-robin, in the order of the index, to shards ``0 .. n-1``, ``n`` as many as
+it takes for each to hold ``WHOLE_FILE_MIN_BYTES`` of them (at least 1, at most ``shard_size``: ``whole_owners``),
+so that a reader opens a few large files, not one a tensor, and no shard writes all of them when there is much to
+write. A shard receives the other shards' rows of its tensors at save time (one all-to-all over the shard group,
+``save/whole.py``): it holds about ``max(WHOLE_FILE_MIN_BYTES, their bytes / shard_size)`` more than its shards,
+and one such tensor takes at most ``shard_size * SPLIT_PIECE_MIN_BYTES``. The index records such a tensor as any
+tensor stored whole (``"file"``, ``"key"``): version 3 reads it as it reads buffers. Where the rows are depends on
+the tensors' shapes and dtypes and ``shard_size`` alone; a reader takes it from the index and needs no rule.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 
+from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError, dtype_name, safetensors_dtype_code
 from lightning_shard.checkpoint.format.safetensors_header import SafetensorsHeader
 from lightning_shard.checkpoint.io.files import CheckpointFiles
@@ -41,6 +61,24 @@ def shard_rows(rows: int, shard_size: int, shard: int) -> tuple[int, int]:
 def shards_holding_rows(rows: int, shard_size: int) -> int:
     """How many shards hold at least one row: shards ``0 .. k-1``."""
     return math.ceil(rows / rows_per_shard(rows, shard_size)) if rows else 0
+
+
+def splits_by_rows(shape: Sequence[int], dtype: torch.dtype, shard_size: int) -> bool:
+    """Whether a sharded save splits a tensor of ``shape`` and ``dtype`` that its ``shard_size`` shards hold by rows
+    over their files, or stores it whole (see [Note: small tensors stored whole]): whether one shard's rows take at
+    least ``SPLIT_PIECE_MIN_BYTES``."""
+    rows = shape[0] if len(shape) else 1
+    piece = rows_per_shard(rows, shard_size) * math.prod(shape[1:]) * dtype.itemsize if rows else 0
+    return piece >= checkpoint_format.SPLIT_PIECE_MIN_BYTES
+
+
+def whole_owners(tensors: Sequence[tuple[str, int]], shard_size: int) -> dict[str, int]:
+    """The shard whose file holds each of ``tensors`` (key, bytes), the tensors a sharded save stores whole instead of
+    splitting them (see [Note: small tensors stored whole]), in the order of the index: round-robin over as many
+    shards as it takes for each to hold ``WHOLE_FILE_MIN_BYTES`` of them (one, up to all ``shard_size``)."""
+    total = sum(nbytes for _, nbytes in tensors)
+    owners = max(1, min(shard_size, total // checkpoint_format.WHOLE_FILE_MIN_BYTES))
+    return {key: k % owners for k, (key, _) in enumerate(tensors)}
 
 
 class Piece(NamedTuple):

@@ -32,7 +32,8 @@ def sha256_file(path: Path) -> str:
 
 
 # [Note: large writes]
-# A shard file of a large world holds hundreds of small pieces (a few KiB each at W=1024). Written one ``write`` each
+# A shard file of a large world could hold hundreds of small pieces (a few KiB each at W=1024, before small tensors
+# were stored whole). Written one ``write`` each
 # through an 8 KiB buffer, they reach the kernel as small writes, and the page cache keeps such a file in small pages:
 # reading it back while it is cached (a load soon after the save, the usual resume) copies it a page at a time, about
 # 1.7x slower than a file written in large writes (25M written by 1024 ranks, read on 2: 23 ms against 14 ms). So the

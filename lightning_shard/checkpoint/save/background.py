@@ -4,7 +4,9 @@
 ``BackgroundSaver.save`` does on the calling thread only what every rank must do together on the
 default process group (agree on the temporary directory, turn the trainer state into JSON) and what
 must not race with training (copy this rank's rows of the parameters and optimizer state into
-memory of their own: at most this rank's shard, on the CPU). A worker thread then writes this
+memory of their own: at most this rank's shard, on the CPU, and the small tensors it stores whole,
+which it receives from the other ranks of its shard group there: see [Note: small tensors stored
+whole]). A worker thread then writes this
 rank's file and finishes the directory as a synchronous save does, agreeing over a gloo process
 group of its own, so its collectives never interleave with the training's on the default group.
 The directory appears (renamed into place by rank 0) only once every rank has written its file.

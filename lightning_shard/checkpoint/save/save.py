@@ -58,7 +58,7 @@ from lightning_shard.checkpoint.io.index import (
     build_index,
     encode_index,
 )
-from lightning_shard.checkpoint.io.layout import shard_rows
+from lightning_shard.checkpoint.io.layout import shard_rows, splits_by_rows
 from lightning_shard.checkpoint.io.selection import (
     MODEL_SELECTION_KEY,
     ModelSelection,
@@ -73,6 +73,7 @@ from lightning_shard.checkpoint.save.commit import (
     refuse_to_replace_other_data,
 )
 from lightning_shard.checkpoint.save.tensor_parallel import tensor_parallel_piece
+from lightning_shard.checkpoint.save.whole import Held, Local, Rows, exchange_rows, shard_file_tensors
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.policies import parse_choice
 from lightning_shard.engine.sharded_module import ShardedModule
@@ -297,10 +298,12 @@ class _Plan:
         params = [(fqn, tuple(p.full_shape), p.dtype) for fqn, p in self.params]
         optim = [(name, tuple(p.full_shape) if p is not None else None, value)
                  for _, tensors in self.optimizers for name, p, value in tensors]
-        saved = saved_tensors(params, self.buffers, optim, layout is StateDictType.SHARDED)
-        saved += [SavedTensor(AVERAGE_PREFIX + fqn, tuple(p.full_shape) if p is not None else tuple(t.shape),
-                              t.dtype, p is not None and layout is StateDictType.SHARDED)
-                  for fqn, p, t in self.averaged]
+        shards = mesh.shard_size if layout is StateDictType.SHARDED else None
+        saved = saved_tensors(params, self.buffers, optim, shards)
+        for fqn, p, t in self.averaged:
+            shape = tuple(p.full_shape) if p is not None else tuple(t.shape)
+            saved.append(SavedTensor(AVERAGE_PREFIX + fqn, shape, t.dtype, p is not None and split_by_rows(
+                shape, t.dtype, shards)))
         return build_index(head, saved, records)
 
 
@@ -325,17 +328,25 @@ def saved_tensors(
     params: list[tuple[str, tuple[int, ...], torch.dtype]],
     buffers: list[tuple[str, Tensor]],
     optimizer_tensors: list[tuple[str, tuple[int, ...] | None, Tensor]],
-    split: bool,
+    shard_size: int | None,
 ) -> list[SavedTensor]:
     """Every tensor a checkpoint stores: parameters (name, global shape, dtype), buffers, and optimizer tensors (key,
-    the global shape of the parameter whose rows they are split like or ``None`` for scalar state, tensor). With
-    ``split``, parameters and the optimizer state shaped like them are split by rows over the shards."""
-    out = [SavedTensor(MODEL_PREFIX + fqn, shape, dtype, split) for fqn, shape, dtype in params]
+    the global shape of the parameter whose rows they are split like or ``None`` for scalar state, tensor). In a
+    sharded save by ``shard_size`` shards, parameters and the optimizer state shaped like them are split by rows over
+    the shards, but those stored whole (see [Note: small tensors stored whole]); ``None``: a full save."""
+    out = [SavedTensor(MODEL_PREFIX + fqn, shape, dtype, split_by_rows(shape, dtype, shard_size))
+           for fqn, shape, dtype in params]
     out += [SavedTensor(MODEL_PREFIX + k, tuple(v.shape), v.dtype, False) for k, v in buffers]
     for name, shape, value in optimizer_tensors:
         out.append(SavedTensor(name, shape if shape is not None else tuple(value.shape), value.dtype,
-                               split and shape is not None))
+                               shape is not None and split_by_rows(shape, value.dtype, shard_size)))
     return out
+
+
+def split_by_rows(shape: tuple[int, ...], dtype: torch.dtype, shard_size: int | None) -> bool:
+    """Whether a tensor the shards hold by rows is split by rows in a save by ``shard_size`` shards (``None``: a full
+    save, which splits nothing)."""
+    return shard_size is not None and splits_by_rows(shape, dtype, shard_size)
 
 
 def index_head(
@@ -419,11 +430,14 @@ def optimizer_plan(
 
 
 class _ShardedWriter(_Plan):
-    """Each rank of replica 0 writes its rows of every parameter and per-parameter optimizer tensor; rank 0 also
-    writes buffers and scalar optimizer state (see [Note: rows by rule])."""
+    """Each rank of replica 0 writes its rows of the parameters and per-parameter optimizer tensors split by rows
+    (see [Note: rows by rule]) and the small ones it stores whole (see [Note: small tensors stored whole]); rank 0
+    also writes buffers and scalar optimizer state."""
 
-    def local_tensors(self) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
-        """This rank's (key, tensor, rows) to write: views of the shards, optimizer state and buffers."""
+    def local_tensors(self) -> Local:
+        """This rank's (key, tensor, rows) to write: views of its rows of the tensors split by rows, the tensors it
+        stores whole (received from the other shards: see [Note: small tensors stored whole]), and on rank 0 buffers
+        and scalar optimizer state. Collective over the shard group (replica 0's ranks)."""
         mesh = self.engine.mesh
         if mesh.replicate_rank != 0:
             return []  # replicas hold identical shards: replica 0 writes them
@@ -434,24 +448,17 @@ class _ShardedWriter(_Plan):
             if p.local_rows and (p.shard_size != mesh.shard_size or rows != shard_rows(p.rows, mesh.shard_size,
                                                                                       mesh.shard_rank)):
                 raise CheckpointError(f"Internal error: {fqn} holds rows {rows}, not those of shard {mesh.shard_rank}.")
-        out: list[tuple[str, Tensor, tuple[int, int] | None]] = []
-        for fqn, p in self.params:
-            if p.local_rows > 0:
-                out.append((MODEL_PREFIX + fqn, p.sharded.detach(), (p.first_row, p.first_row + p.local_rows)))
-        for _, tensors in self.optimizers:
-            for name, p, value in tensors:
-                if p is not None and p.local_rows > 0:
-                    out.append((name, value, (p.first_row, p.first_row + p.local_rows)))
-                elif p is None and self.rank == 0:
-                    out.append((name, value, None))
-        if self.rank == 0:
-            out.extend((MODEL_PREFIX + k, v, None) for k, v in self.buffers)
-        for fqn, owner, value in self.averaged:  # see [Note: averaged weights in a checkpoint]
-            if owner is not None and owner.local_rows > 0:
-                out.append((AVERAGE_PREFIX + fqn, value, (owner.first_row, owner.first_row + owner.local_rows)))
-            elif owner is None and self.rank == 0:
-                out.append((AVERAGE_PREFIX + fqn, value, None))
-        return out
+        held: list[Held] = [(MODEL_PREFIX + fqn, p.sharded.detach(), tuple(p.global_shape)) for fqn, p in self.params]
+        held += [(name, value, tuple(p.global_shape) if p is not None else None)
+                 for _, tensors in self.optimizers for name, p, value in tensors]
+        held += [(MODEL_PREFIX + k, v, None) for k, v in self.buffers]
+        held += [(AVERAGE_PREFIX + fqn, value, tuple(owner.global_shape) if owner is not None else None)
+                 for fqn, owner, value in self.averaged]  # see [Note: averaged weights in a checkpoint]
+
+        def gather(whole: Sequence[Rows], owners: dict[str, int]) -> dict[str, Tensor]:
+            return exchange_rows(whole, owners, mesh.shard_rank, mesh.shard_size, mesh.shard_group, self.engine.device)
+
+        return shard_file_tensors(held, mesh.shard_rank, mesh.shard_size, gather)
 
     def _tensor_parallel_tensors(self) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
         """``local_tensors`` under tensor parallelism: every rank's pieces, rows of the whole tensors listed in the
@@ -478,8 +485,11 @@ class _ShardedWriter(_Plan):
     def write_local(self) -> list[FileRecord]:
         return self.write_tensors(self.local_tensors())
 
-    def write_tensors(self, local: list[tuple[str, Tensor, tuple[int, int] | None]]) -> list[FileRecord]:
-        """Write ``local`` (``local_tensors()`` or a copy of them) as this rank's file; return its record."""
+    def write_tensors(self, local: Local) -> list[FileRecord]:
+        """Write ``local`` (``local_tensors()`` or a copy of them) as this rank's file; return its record (none on
+        the ranks of other replicas than replica 0, which write nothing)."""
+        if self.engine.mesh.replicate_rank != 0:
+            return []
         self.tmp.mkdir(parents=True, exist_ok=True)
         path = self.tmp / (self.file_prefix + shard_file_name(self.rank, self.world_size))
         if self.engine.mesh.tensor_parallel_size > 1:  # pieces listed in the index, no shard rule
@@ -487,14 +497,12 @@ class _ShardedWriter(_Plan):
         return write_shard_file(path, self.engine.mesh.shard_rank, local)
 
 
-def write_shard_file(
-    path: Path, shard: int | None, local: list[tuple[str, Tensor, tuple[int, int] | None]], listed: bool = False
-) -> list[FileRecord]:
+def write_shard_file(path: Path, shard: int | None, local: Local, listed: bool = False) -> list[FileRecord]:
     """Write one shard's tensors (key, tensor, its rows or ``None`` when stored whole) as the safetensors file
-    ``path``, each tensor's CRC-32 in its header; its record (none when there is nothing to write). With ``listed``
-    the record lists the rows of each piece, for the index to list."""
-    if not local:
-        return []
+    ``path``, the CRC-32s of its data in its header; its record. Every shard writes its file, also one holding
+    nothing (a shard of more shards than a tensor has rows, or whose tensors are all stored whole elsewhere: see
+    [Note: small tensors stored whole]): a sharded checkpoint holds one shard file per writing rank. With ``listed``
+    (tensor parallelism) the record lists the rows of each piece, for the index to list."""
     local = small_pieces_first(local)
     writer = SafetensorsStreamWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local], checksums=True)
     try:
@@ -518,8 +526,7 @@ def write_shard_file(
 # one place a file, a buffer, and copies each tensor's out at once. The index does not depend on the order.
 
 
-def small_pieces_first(local: list[tuple[str, Tensor, tuple[int, int] | None]]) -> list[
-        tuple[str, Tensor, tuple[int, int] | None]]:
+def small_pieces_first(local: Local) -> Local:
     """``local`` in the order a shard file holds it: within each part (see [Note: small pieces together]), the pieces
     of at most ``SMALL_PIECE_BYTES`` first; the order is otherwise kept."""
     parts: dict[str, int] = {}
