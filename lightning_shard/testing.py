@@ -320,7 +320,10 @@ def simulate_rank(world_size: int, rank: int = 0, *, backend: SimulatedBackend =
 
 def count_python_calls(fn: Callable[[], Any]) -> int:
     """How many Python functions and builtins ``fn()`` calls (``sys.setprofile``'s call events on this thread,
-    which runs a CPU backward too): a measure of Python work that, unlike time, does not depend on the machine."""
+    which runs a CPU backward too): a measure of Python work that, unlike time, does not depend on the machine. The
+    cyclic garbage collector is held off while ``fn`` runs (after a collection), so that finalizers of objects left by
+    earlier code are not counted."""
+    import gc
     import sys
 
     calls = 0
@@ -330,12 +333,17 @@ def count_python_calls(fn: Callable[[], Any]) -> int:
         if event in ("call", "c_call"):
             calls += 1
 
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     previous = sys.getprofile()
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(previous)
+        if collecting:
+            gc.enable()
     return calls
 
 
