@@ -88,6 +88,27 @@ def reduce_tensor(tensor: Tensor, group: Any | None, reduce_op: ReduceOp | str |
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
+class ParallelSizeError(ValueError, RuntimeError):
+    """``data_parallel_size`` and ``tensor_parallel_size`` do not multiply to the world size: a bad argument value
+    (``ValueError``), and the ``RuntimeError`` ``ModelParallelStrategy`` raises for it."""
+
+
+def parallel_sizes(options: ShardOptions, num_nodes: int, num_processes: int) -> tuple[int, int]:
+    """``(data_parallel_size, tensor_parallel_size)`` on ``num_nodes`` x ``num_processes`` ranks; sizes whose
+    product is not the world size raise ``ParallelSizeError``. Needs no process group."""
+    world, tp = num_nodes * num_processes, options.tensor_parallel_size
+    data_parallel = options.data_parallel_size or world // tp
+    if world % tp or data_parallel * tp != world:
+        raise ParallelSizeError(
+            f"The sizes `data_parallel_size={options.data_parallel_size or 'auto'}` and `tensor_parallel_size={tp}`"
+            f" multiplied should equal the world size ({world}): data_parallel_size="
+            f"{options.data_parallel_size or 'auto'} x tensor_parallel_size={tp} must equal the world size {world}"
+            f" (num_nodes={num_nodes} x devices={num_processes}). Choose sizes whose product is {world}, or leave"
+            f" data_parallel_size='auto' with a tensor_parallel_size that divides {world}."
+        )
+    return data_parallel, tp
+
+
 def start_mesh(
     options: ShardOptions,
     cluster_environment: ClusterEnvironment,
@@ -104,14 +125,7 @@ def start_mesh(
     ``HYBRID_SHARD`` without ``device_mesh`` shards inside a node and replicates across nodes: ``(num_nodes,
     num_processes / tensor_parallel_size)``.
     """
-    world, tp = num_nodes * num_processes, options.tensor_parallel_size
-    data_parallel = options.data_parallel_size or world // tp
-    if world % tp or data_parallel * tp != world:
-        raise ValueError(
-            f"data_parallel_size={options.data_parallel_size or 'auto'} x tensor_parallel_size={tp} must equal the"
-            f" world size {world} (num_nodes={num_nodes} x devices={num_processes}). Choose sizes whose product is"
-            f" {world}, or leave data_parallel_size='auto' with a tensor_parallel_size that divides {world}."
-        )
+    data_parallel, tp = parallel_sizes(options, num_nodes, num_processes)
     device_mesh = options.device_mesh
     if options.sharding_strategy is ShardingStrategy.HYBRID_SHARD and device_mesh is None:
         device_mesh = (num_nodes, data_parallel // num_nodes) if data_parallel % num_nodes == 0 else None

@@ -13,7 +13,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_shard.checkpoint.io.storage import is_url
-from lightning_shard.common.distributed import barrier, broadcast_object, start_mesh
+from lightning_shard.common.distributed import barrier, broadcast_object, parallel_sizes, start_mesh
 from lightning_shard.common.options import ShardOptionsMixin, check_backend_for_device
 from lightning_shard.engine.mesh import ShardMesh
 
@@ -58,12 +58,14 @@ class ShardStrategyMixin(ShardOptionsMixin):
         """The ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` (as ``ModelParallelStrategy``'s) that a
         tensor-parallel plan is applied on, with ``tensor_parallel_size > 1``; exists once the processes are set up."""
         if self._tensor_parallel_mesh is None:
-            if self.options.tensor_parallel_size == 1:
-                raise RuntimeError(
-                    "ShardStrategy has a ('data_parallel', 'tensor_parallel') device mesh only with"
-                    " tensor_parallel_size > 1; the sharding layout is strategy.mesh."
-                )
-            raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
+            only_with_tp = (
+                "ShardStrategy has a ('data_parallel', 'tensor_parallel') device mesh only with"
+                " tensor_parallel_size > 1; the sharding layout is strategy.mesh."
+            )
+            if self._mesh is None:
+                before = "Accessing the device mesh before processes have initialized is not allowed."
+                raise RuntimeError(before if self.options.tensor_parallel_size > 1 else f"{before} {only_with_tp}")
+            raise RuntimeError(only_with_tp)
         return self._tensor_parallel_mesh
 
     @property
@@ -83,6 +85,11 @@ class ShardStrategyMixin(ShardOptionsMixin):
                 "The ShardStrategy mesh exists only once the processes are set up (by the Trainer, or fabric.launch())."
             )
         return self._mesh
+
+    def _check_parallel_sizes(self) -> None:
+        """Refuse ``data_parallel_size`` x ``tensor_parallel_size`` other than the world size, before any rank is
+        assigned or process group created."""
+        parallel_sizes(self.options, self.num_nodes, self.num_processes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -222,6 +222,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
                 f" plugin {type(io).__name__} would not be used. Remove it from Fabric's plugins."
             )
         super().setup_environment()
+        self._check_parallel_sizes()
         self.set_world_ranks()
         self._start_mesh()
         if self._async_save:

@@ -263,6 +263,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
+        self._check_parallel_sizes()
         self.set_world_ranks()
         self._start_mesh()
         if self.lightning_module is not None and self._tensor_parallel_mesh is not None:

@@ -183,8 +183,12 @@ tests_pytorch/strategies/test_model_parallel.py and tests_fabric/strategies/test
 
 - test_torch_greater_equal_2_4 (both) [b] a torch version gate
 - test_device_mesh_access (both): ``RuntimeError`` before set-up. [a]
+  M.test_the_device_mesh_before_set_up_is_refused_in_model_parallel_strategys_words,
   M.test_the_mesh_is_not_available_before_the_processes_are_set_up
-- test_validate_device_mesh_dimensions[5] (both): sizes that do not cover the world. [c] (``ValueError``)
+- test_validate_device_mesh_dimensions[5] (both): ``data_parallel_size`` x ``tensor_parallel_size`` other than the
+  world size. [a] M.test_parallel_sizes_that_do_not_multiply_to_the_world_are_refused_before_any_rank_is_assigned
+  (a ``RuntimeError`` in ModelParallelStrategy's words, also a ``ValueError``); a ``device_mesh=(replicas,
+  shard_size)`` that does not cover the world: ``ValueError`` [c]
   M.test_a_mesh_that_does_not_cover_the_world_is_refused_before_the_process_group
 - test_fsdp_v1_modules_unsupported (both): FSDP-wrapped modules refused with ``TypeError``. [a]
   M.test_a_model_already_sharded_by_torchs_fsdp_is_refused

@@ -46,6 +46,48 @@ def test_the_mesh_is_not_available_before_the_processes_are_set_up(strategy_clas
 
 
 @pytest.mark.parametrize("strategy_class", [ShardStrategy, FabricShardStrategy])
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_the_device_mesh_before_set_up_is_refused_in_model_parallel_strategys_words(
+    strategy_class: type, tensor_parallel_size: int
+) -> None:
+    """test_device_mesh_access: ``strategy.device_mesh`` read before the processes are set up is the
+    ``RuntimeError`` ModelParallelStrategy raises, whatever ``tensor_parallel_size``; without tensor parallelism the
+    message also says that the mesh exists only with it."""
+    strategy = strategy_class(tensor_parallel_size=tensor_parallel_size)
+    with pytest.raises(RuntimeError, match="Accessing the device mesh before processes have initialized") as info:
+        _ = strategy.device_mesh
+    assert ("only with tensor_parallel_size > 1" in str(info.value)) is (tensor_parallel_size == 1)
+
+
+@pytest.mark.parametrize("strategy_class", [ShardStrategy, FabricShardStrategy])
+@pytest.mark.parametrize(
+    ("num_nodes", "devices", "data_parallel_size", "tensor_parallel_size"),
+    [(1, 4, 1, 1), (1, 4, 2, 3), (1, 4, 4, 2), (2, 4, 1, 4), (2, 4, 2, 1), (1, 6, "auto", 4)],
+)
+def test_parallel_sizes_that_do_not_multiply_to_the_world_are_refused_before_any_rank_is_assigned(
+    strategy_class: type, num_nodes: int, devices: int, data_parallel_size: Any, tensor_parallel_size: int
+) -> None:
+    """test_validate_device_mesh_dimensions: ``data_parallel_size`` x ``tensor_parallel_size`` other than the world
+    size is refused by ``setup_environment`` in ModelParallelStrategy's words, as the ``RuntimeError`` it raises and
+    a ``ValueError`` (a bad value), before ranks are given to the cluster environment or a process group exists."""
+    strategy = strategy_class(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size)
+    strategy.accelerator = Mock()
+    environment = Mock(world_size=Mock(return_value=num_nodes * devices), local_rank=Mock(return_value=0))
+    strategy.cluster_environment = environment
+    strategy.parallel_devices = [torch.device("cpu")] * devices
+    strategy.num_nodes = num_nodes
+    expected = (
+        f"The sizes `data_parallel_size={data_parallel_size}` and `tensor_parallel_size={tensor_parallel_size}`"
+        f" multiplied should equal the world size \\({num_nodes * devices}\\)"
+    )
+    with pytest.raises(RuntimeError, match=expected) as info:
+        strategy.setup_environment()
+    assert isinstance(info.value, ValueError)
+    environment.set_global_rank.assert_not_called()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("strategy_class", [ShardStrategy, FabricShardStrategy])
 @pytest.mark.parametrize(
     ("num_nodes", "devices", "replicas", "shard_size"),
     [(1, 4, 1, 1), (1, 4, 2, 3), (1, 4, 4, 2), (2, 4, 1, 4), (2, 4, 2, 1)],
