@@ -159,8 +159,6 @@ def test_bad_sizes_and_combinations_are_refused_at_construction() -> None:
         ShardOptions.parse(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="data_parallel_size must be a positive int or 'auto'"):
         ShardOptions.parse(tensor_parallel_size=2, data_parallel_size="all")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="parallelize_fn applies a tensor-parallel plan"):
-        lightning_shard.fabric.ShardStrategy(parallelize_fn=lambda module, mesh: module)
 
 
 def test_sizes_that_do_not_cover_the_world_are_refused_before_the_process_group() -> None:
@@ -178,11 +176,10 @@ def test_sizes_that_do_not_cover_the_world_are_refused_before_the_process_group(
     assert not dist.is_initialized()
 
 
-def test_the_device_mesh_exists_only_with_tensor_parallelism() -> None:
-    with pytest.raises(RuntimeError, match="only with tensor_parallel_size > 1"):
-        _ = lightning_shard.ShardStrategy().device_mesh
-    with pytest.raises(RuntimeError, match="before processes have initialized"):
-        _ = lightning_shard.ShardStrategy(tensor_parallel_size=2).device_mesh
+def test_the_device_mesh_exists_once_the_processes_are_set_up() -> None:
+    for tp in (1, 2):
+        with pytest.raises(RuntimeError, match="before processes have initialized"):
+            _ = lightning_shard.ShardStrategy(tensor_parallel_size=tp).device_mesh
 
 
 def test_the_hugging_face_plan_is_named_from_the_module_given() -> None:

@@ -116,10 +116,10 @@ def start_mesh(
     num_processes: int,
     device: torch.device,
     backend: str,
-) -> tuple[ShardMesh, DeviceMesh | None]:
+) -> tuple[ShardMesh, DeviceMesh]:
     """Initialise the process group (unless one exists) and build this rank's ``(replicas, shard_size)`` mesh, and
-    with ``tensor_parallel_size > 1`` the ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` a tensor-parallel
-    plan is applied on (see [Note: the data-parallel ranks under tensor parallelism]).
+    the ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` a tensor-parallel plan is applied on (see [Note: the
+    data-parallel ranks under tensor parallelism]; of shape ``(world, 1)`` without tensor parallelism).
 
     The meshes are validated on every rank before any collective, so bad sizes cannot hang the others;
     ``HYBRID_SHARD`` without ``device_mesh`` shards inside a node and replicates across nodes: ``(num_nodes,
@@ -134,7 +134,6 @@ def start_mesh(
     start_publishing(
         dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), options.timeout
     )
-    tensor_parallel_mesh = None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -142,7 +141,23 @@ def start_mesh(
             device.type, (data_parallel, tp), mesh_dim_names=("data_parallel", "tensor_parallel")
         )
     mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend, tensor_parallel_size=tp)
+    if tp == 1:
+        tensor_parallel_mesh = _data_parallel_only_mesh(mesh, device.type)
     if owns:
         for group in mesh.owned_groups:
             bound_waits(options.timeout, group)
     return mesh, tensor_parallel_mesh
+
+
+def _data_parallel_only_mesh(mesh: ShardMesh, device_type: str) -> DeviceMesh:
+    """``("data_parallel", "tensor_parallel")`` of shape ``(world, 1)`` without tensor parallelism, as
+    ModelParallelStrategy has it: the default group, and a group of this rank alone created by it alone (no
+    collective; destroyed with the mesh's groups)."""
+    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    mesh.owned_groups.append(alone)
+    layout = torch.arange(dist.get_world_size()).view(-1, 1)
+    world = dist.group.WORLD
+    assert world is not None
+    return DeviceMesh.from_group(
+        [world, alone], device_type, mesh=layout, mesh_dim_names=("data_parallel", "tensor_parallel")
+    )

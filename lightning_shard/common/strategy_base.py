@@ -56,16 +56,10 @@ class ShardStrategyMixin(ShardOptionsMixin):
     @property
     def device_mesh(self) -> DeviceMesh:
         """The ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` (as ``ModelParallelStrategy``'s) that a
-        tensor-parallel plan is applied on, with ``tensor_parallel_size > 1``; exists once the processes are set up."""
+        tensor-parallel plan is applied on (its tensor-parallel size is ``tensor_parallel_size``, 1 by default);
+        exists once the processes are set up."""
         if self._tensor_parallel_mesh is None:
-            only_with_tp = (
-                "ShardStrategy has a ('data_parallel', 'tensor_parallel') device mesh only with"
-                " tensor_parallel_size > 1; the sharding layout is strategy.mesh."
-            )
-            if self._mesh is None:
-                before = "Accessing the device mesh before processes have initialized is not allowed."
-                raise RuntimeError(before if self.options.tensor_parallel_size > 1 else f"{before} {only_with_tp}")
-            raise RuntimeError(only_with_tp)
+            raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
         return self._tensor_parallel_mesh
 
     @property

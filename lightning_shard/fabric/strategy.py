@@ -84,10 +84,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     ``fabric.load``, ``strategy.wait_for_save()``, teardown and the end of the process wait for it; a failure of
     the background write is raised there on every rank (at the end of the process: printed, exit status 1).
 
-    ``tensor_parallel_size`` and ``data_parallel_size`` are the Trainer strategy's; with ``tensor_parallel_size > 1``,
-    ``parallelize_fn(module, device_mesh)`` (the function Fabric's ``ModelParallelStrategy`` takes, without its
-    ``fully_shard`` calls) applies the tensor-parallel plan in ``setup_module`` on ``strategy.device_mesh``, the
-    ``("data_parallel", "tensor_parallel")`` mesh, before the strategy shards the model (see docs/tensor_parallel.md).
+    ``tensor_parallel_size`` and ``data_parallel_size`` are the Trainer strategy's; ``parallelize_fn(module,
+    device_mesh)`` (the function Fabric's ``ModelParallelStrategy`` takes, without its ``fully_shard`` calls) applies
+    the tensor-parallel plan in ``setup_module`` on ``strategy.device_mesh``, the ``("data_parallel",
+    "tensor_parallel")`` mesh, before the strategy shards the model (see docs/tensor_parallel.md).
 
     Set up the model with ``fabric.setup_module(model)`` and create the optimizer from the returned model's
     parameters (this rank's shards) before ``fabric.setup_optimizers(optimizer)``; ``fabric.setup(model,
@@ -158,12 +158,6 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")
         if async_save:
             refuse_full_layout_in_background(self.options.state_dict_type, "async_save=True", "async_save=False")
-        if parallelize_fn is not None and self.options.tensor_parallel_size == 1:
-            raise ValueError(
-                "parallelize_fn applies a tensor-parallel plan: pass tensor_parallel_size > 1 with it. ShardStrategy"
-                " shards the model itself (auto_wrap_policy), so a parallelize_fn that only calls fully_shard is not"
-                " needed; drop it."
-            )
         self._parallelize_fn = parallelize_fn
         self._async_save = async_save
         self._storage_options = checked_storage_options(storage_options)

@@ -266,7 +266,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         self._check_parallel_sizes()
         self.set_world_ranks()
         self._start_mesh()
-        if self.lightning_module is not None and self._tensor_parallel_mesh is not None:
+        if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._tensor_parallel_mesh  # configure_model's self.device_mesh
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             trainer = self.lightning_module.trainer  # see [Note: weight averaging on shards]

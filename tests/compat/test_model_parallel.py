@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 import lightning_shard
 from lightning_shard import ShardStrategy
+from lightning_shard.engine import sharded_module_of
 from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
 from tests.compat.support import (
     FeedForward,
@@ -51,12 +52,10 @@ def test_the_device_mesh_before_set_up_is_refused_in_model_parallel_strategys_wo
     strategy_class: type, tensor_parallel_size: int
 ) -> None:
     """test_device_mesh_access: ``strategy.device_mesh`` read before the processes are set up is the
-    ``RuntimeError`` ModelParallelStrategy raises, whatever ``tensor_parallel_size``; without tensor parallelism the
-    message also says that the mesh exists only with it."""
+    ``RuntimeError`` ModelParallelStrategy raises, whatever ``tensor_parallel_size``."""
     strategy = strategy_class(tensor_parallel_size=tensor_parallel_size)
-    with pytest.raises(RuntimeError, match="Accessing the device mesh before processes have initialized") as info:
+    with pytest.raises(RuntimeError, match="Accessing the device mesh before processes have initialized"):
         _ = strategy.device_mesh
-    assert ("only with tensor_parallel_size > 1" in str(info.value)) is (tensor_parallel_size == 1)
 
 
 @pytest.mark.parametrize("strategy_class", [ShardStrategy, FabricShardStrategy])
@@ -115,12 +114,13 @@ def mesh_in_configure_model(rank: int, world_size: int, kwargs: dict[str, Any]) 
     class Model(BoringModel):
         def configure_model(self) -> None:
             mesh = self.trainer.strategy.mesh
-            self.seen = (mesh.replicas, mesh.shard_size)
+            self.seen = (mesh.replicas, mesh.shard_size, tuple(self.device_mesh.shape))
 
     model = Model()
     trainer(ShardStrategy(**kwargs), max_steps=1).fit(model)
     f = fabric(FabricShardStrategy(**kwargs))
-    return {"trainer": model.seen, "fabric": (f.strategy.mesh.replicas, f.strategy.mesh.shard_size)}
+    mesh = f.strategy.mesh
+    return {"trainer": model.seen, "fabric": (mesh.replicas, mesh.shard_size, tuple(f.strategy.device_mesh.shape))}
 
 
 @pytest.mark.parametrize(
@@ -137,10 +137,10 @@ def test_the_mesh_has_the_configured_shape_in_configure_model_and_after_launch(
 ) -> None:
     """test_setup_device_mesh (Trainer and Fabric): the mesh exists in ``configure_model`` and after
     ``fabric.launch()``, with the configured ``(replicas, shard_size)``: the data-parallel layout.
-    ModelParallelStrategy's ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` is ``strategy.device_mesh`` with
-    ``tensor_parallel_size > 1`` (tests/test_tensor_parallel.py)."""
+    ModelParallelStrategy's ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` is ``strategy.device_mesh``
+    (``self.device_mesh`` in ``configure_model``), of shape ``(2, 1)`` here."""
     for result in on_ranks(mesh_in_configure_model, kwargs):
-        assert result == {"trainer": shape, "fabric": shape}
+        assert result == {"trainer": (*shape, (2, 1)), "fabric": (*shape, (2, 1))}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -148,15 +148,26 @@ def test_the_mesh_has_the_configured_shape_in_configure_model_and_after_launch(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_parallelize_fn_applies_a_tensor_parallel_plan_and_needs_tensor_parallelism() -> None:
+def parallelize_fn_called(rank: int, world_size: int) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    def parallelize(module: nn.Module, mesh: Any) -> nn.Module:
+        seen["mesh"] = (mesh.mesh_dim_names, tuple(mesh.shape))
+        seen["sharded"] = sharded_module_of(module) is not None
+        return module
+
+    f = fabric(FabricShardStrategy(parallelize_fn=parallelize))
+    module = f.setup_module(nn.Linear(4, 4))
+    return {**seen, "sharded after": sharded_module_of(module) is not None}
+
+
+def test_parallelize_fn_is_called_with_the_mesh_before_the_model_is_sharded() -> None:
     """test_parallelize_fn_call: ``parallelize_fn(module, device_mesh)`` is called in ``setup_module`` with the
-    ``("data_parallel", "tensor_parallel")`` mesh (run at (dp=2, tp=2) in tests/test_tensor_parallel.py); the units
-    still come from ``auto_wrap_policy``, so a ``parallelize_fn`` without ``tensor_parallel_size > 1`` (one that
-    would only call ``fully_shard``) is refused."""
-    with pytest.raises(ValueError, match="parallelize_fn applies a tensor-parallel plan"):
-        FabricShardStrategy(parallelize_fn=lambda module, mesh: module)
-    strategy = FabricShardStrategy(parallelize_fn=lambda module, mesh: module, tensor_parallel_size=2)
-    assert strategy.tensor_parallel_size == 2
+    ``("data_parallel", "tensor_parallel")`` mesh, here of shape (2, 1), before the strategy shards the module (run
+    with a plan at (dp=2, tp=2) in tests/test_tensor_parallel.py)."""
+    for result in on_ranks(parallelize_fn_called):
+        assert result == {"mesh": (("data_parallel", "tensor_parallel"), (2, 1)), "sharded": False,
+                          "sharded after": True}
 
 
 def fit_without_configure_model(rank: int, world_size: int) -> int:
