@@ -77,3 +77,18 @@ def test_a_checkpoint_resumes_at_other_data_and_tensor_parallel_sizes(
     ddp = _losses(runs, "reference", 2)[0]["fp32"]
     for rank, resumed in enumerate(_losses(runs, name, ranks)):
         torch.testing.assert_close(resumed["fp32"], ddp[steps], msg=f"{name}, rank {rank}")
+
+
+def test_inspect_verifies_a_tensor_parallel_checkpoint_and_consolidate_writes_the_whole_model(runs: Path) -> None:
+    from safetensors.torch import load_file
+
+    import lightning_shard
+
+    summary = lightning_shard.inspect(runs / "tp-ckpt")
+    assert summary.problems == [] and summary.tensor_parallel_size == 2
+    assert "x tensor-parallel 2" in str(summary).splitlines()[0]
+    whole = load_file(str(lightning_shard.consolidate(runs / "tp-ckpt", runs / "tp.safetensors")))
+    from_tp1 = load_file(str(lightning_shard.consolidate(runs / "tp1-ckpt", runs / "tp1.safetensors")))
+    assert whole["model.blocks.0.fc.weight"].shape == (128, 32)  # column-wise: rows of both parts
+    assert whole["model.blocks.0.out.weight"].shape == (32, 128)  # row-wise: columns of both parts
+    assert whole.keys() == from_tp1.keys() and all(whole[k].shape == from_tp1[k].shape for k in whole)

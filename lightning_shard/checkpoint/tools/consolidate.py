@@ -23,7 +23,13 @@ from lightning_shard.checkpoint.format import (
 )
 from lightning_shard.checkpoint.format.adapters import ADAPTERS
 from lightning_shard.checkpoint.io.files import CheckpointFiles, read_json_member
-from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
+from lightning_shard.checkpoint.io.index import (
+    LEFT_OUT,
+    TENSOR_PARALLEL_SIZE,
+    iter_index_tensors,
+    model_ties,
+    read_index,
+)
 from lightning_shard.checkpoint.io.layout import check_piece, require_complete
 from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
 from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, is_url, location
@@ -94,12 +100,15 @@ class CheckpointSummary:
     problems: list[str]  # empty when every file and piece checks out
     left_out: list[str] = field(default_factory=list)  # model keys a partial save left out
     adapters: list[str] = field(default_factory=list)  # the peft adapters it records
+    tensor_parallel_size: int = 1  # the writers' tensor-parallel size
 
     def __str__(self) -> str:
         ranks = f"{self.world_size} rank" + ("s" if self.world_size != 1 else "")
         lines = [
             f"checkpoint {self.directory} ({self.state_dict_type}), written by {ranks},"
-            f" mesh {self.mesh['replicas']}x{self.mesh['shard_size']}; epoch {self.epoch}, step {self.global_step}",
+            f" mesh {self.mesh['replicas']}x{self.mesh['shard_size']}"
+            + (f" x tensor-parallel {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else "")
+            + f"; epoch {self.epoch}, step {self.global_step}",
             f"{len(self.tensors)} tensors, {self.total_bytes / 2**20:.2f} MiB on disk",
         ]
         if self.left_out:
@@ -138,6 +147,7 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
         total_bytes=sum(f["size"] for f in index["files"].values()),
         problems=problems,
         left_out=sorted(index.get(LEFT_OUT, {})),
+        tensor_parallel_size=index.get(TENSOR_PARALLEL_SIZE, 1),
         adapters=sorted(index.get(ADAPTERS, {}).get("adapters", {})),
     )
 
