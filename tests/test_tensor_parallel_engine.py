@@ -223,3 +223,27 @@ def test_the_estimate_counts_each_ranks_tensor_parallel_part() -> None:
     measured = run_on_ranks(sharded_bytes, 4)[0]
     assert estimate.parameters == measured
     assert lightning_shard.estimate_memory(model, 2, auto_wrap_policy={Block}).parameters > measured
+
+
+def state_dict_without_a_plan(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    from lightning_shard.checkpoint.save.state_dict import model_state_dict
+
+    torch.manual_seed(0)
+    model = Net()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    shard_model(model, auto_wrap_policy={Block}, tensor_parallel_size=TP, device="cpu")
+    sharded = model_state_dict(model, "sharded")
+    consistent = all(len(v.placements) == v.device_mesh.ndim for v in sharded.values() if isinstance(v, DTensor))
+    return {"whole": {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sharded.items()},
+            "expected": expected, "consistent": consistent}  # fmt: skip
+
+
+def test_a_state_dict_without_a_plan_is_over_the_data_parallel_ranks() -> None:
+    """``tensor_parallel_size=2`` with no plan applied: every parameter is replicated over the tensor-parallel ranks,
+    and its state-dict DTensor lives on the data-parallel mesh of its column."""
+    for result in run_on_ranks(state_dict_without_a_plan, 4):
+        assert result["consistent"], "a placement per mesh dimension"
+        for name, value in result["expected"].items():
+            torch.testing.assert_close(result["whole"][name], value, msg=name)

@@ -217,7 +217,8 @@ def _as_dtensor(engine: ShardedModule, device_mesh: DeviceMesh, p: ShardedParam,
         scalar = _scalar_from_shard_rank0(engine, device_mesh, p, local, unit)
         placements: list[Placement] = [Replicate()] * device_mesh.ndim
         return DTensor.from_local(scalar, device_mesh, placements, shape=torch.Size(), stride=())
-    placements = _placements(device_mesh) if engine.mesh.tensor_parallel_size == 1 else _two_d_placements(engine, p)
+    two_d = engine.mesh.tensor_parallel_root is not None  # a plan placed parameters on the 2-D mesh
+    placements = _two_d_placements(engine, p) if two_d else _placements(device_mesh)
     return DTensor.from_local(
         local, device_mesh, placements, shape=p.full_shape, stride=_contiguous_stride(p.full_shape)
     )
