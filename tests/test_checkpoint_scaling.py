@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from lightning_shard import CheckpointError, consolidate, inspect
 from lightning_shard.checkpoint import format as checkpoint_format
-from lightning_shard.checkpoint.format import INDEX_FILE, MAX_JSON_BYTES, SMALL_PIECE_BYTES, shard_file_name
+from lightning_shard.checkpoint.format import INDEX_FILE, MAX_JSON_BYTES, shard_file_name
 from lightning_shard.checkpoint.format.safetensors_header import BLOCK_BYTES
 from lightning_shard.checkpoint.io import files as files_module
 from lightning_shard.checkpoint.io import reader as reader_module
@@ -359,29 +359,6 @@ def test_a_flipped_byte_is_refused_by_every_read_that_lands_bytes_its_checksum_c
                 else:
                     assert torch.equal(read_rows(entry, start, stop), state[name][start:stop]), (name, start, stop)
     assert inspect(ckpt).problems == [f"{shard.name}: SHA-256 differs from the index"]
-
-
-def test_a_shard_file_holds_its_small_pieces_first_in_each_part(tmp_path: Path) -> None:
-    """See [Note: small pieces together] in lightning_shard/checkpoint/save/save.py."""
-    model, optimizer = trained_plain(TinyGPT)
-    ckpt = simulate_save(tmp_path / "ckpt", model, 16, [optimizer])
-    module_order = [name for name, _ in model.named_parameters()]
-    for shard in sorted(ckpt.glob("shard-*.safetensors")):
-        raw = shard.read_bytes()
-        header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
-        header.pop("__metadata__")
-        in_order = sorted(header, key=lambda key: header[key]["data_offsets"])
-        parts = [key.split("/")[0] for key in in_order]
-        assert parts == sorted(parts, key=["model", "optimizer"].index), shard.name  # the model's part first
-        for part in ("model", "optimizer"):
-            keys = [key for key in in_order if key.startswith(part)]
-            small = [(lambda b, e: e - b <= SMALL_PIECE_BYTES)(*header[key]["data_offsets"]) for key in keys]
-            assert small == sorted(small, reverse=True), (shard.name, part)  # small ones first
-            for group in (True, False):  # each in the module's order
-                names = [key.split("/")[-1] if part == "model" else key.split("/")[2]
-                         for key, s in zip(keys, small) if s is group]
-                assert names == sorted(names, key=module_order.index), (shard.name, part, group)
-        assert any(small) and not all(small), shard.name
 
 
 def _edit_header(path: Path, edit: Any) -> None:

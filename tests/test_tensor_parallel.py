@@ -92,3 +92,15 @@ def test_inspect_verifies_a_tensor_parallel_checkpoint_and_consolidate_writes_th
     assert whole["model.blocks.0.fc.weight"].shape == (128, 32)  # column-wise: rows of both parts
     assert whole["model.blocks.0.out.weight"].shape == (32, 128)  # row-wise: columns of both parts
     assert whole.keys() == from_tp1.keys() and all(whole[k].shape == from_tp1[k].shape for k in whole)
+
+
+def test_shard_model_with_a_plan_under_torchrun_trains_as_the_whole_model(tmp_path: Path) -> None:
+    """The plain-PyTorch mode (``shard_model(..., tensor_parallel_size=2)``) in fresh processes under torchrun: the
+    script itself checks losses, clipping norms and the whole weights against the unsharded model."""
+    script = Path(__file__).parent / "scripts" / "tensor_parallel_torchrun.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(script)],
+        capture_output=True, text=True, env=job_env(), timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"

@@ -171,7 +171,8 @@ def test_sizes_that_do_not_cover_the_world_are_refused_before_the_process_group(
         global_rank=Mock(return_value=1),
     )
     strategy.parallel_devices = [torch.device("cpu")] * 4
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 must equal the world size 4"):
+    refused = r"`tensor_parallel_size=3` multiplied should equal the world size \(4\)\. With num_nodes=1 x devices=4"
+    with pytest.raises(ValueError, match=refused):
         strategy.setup_environment()
     assert not dist.is_initialized()
 

@@ -101,10 +101,9 @@ def parallel_sizes(options: ShardOptions, num_nodes: int, num_processes: int) ->
     if world % tp or data_parallel * tp != world:
         raise ParallelSizeError(
             f"The sizes `data_parallel_size={options.data_parallel_size or 'auto'}` and `tensor_parallel_size={tp}`"
-            f" multiplied should equal the world size ({world}): data_parallel_size="
-            f"{options.data_parallel_size or 'auto'} x tensor_parallel_size={tp} must equal the world size {world}"
-            f" (num_nodes={num_nodes} x devices={num_processes}). Choose sizes whose product is {world}, or leave"
-            f" data_parallel_size='auto' with a tensor_parallel_size that divides {world}."
+            f" multiplied should equal the world size ({world}). With num_nodes={num_nodes} x devices={num_processes},"
+            f" choose sizes whose product is {world}, or leave data_parallel_size='auto' with a tensor_parallel_size"
+            f" that divides {world}."
         )
     return data_parallel, tp
 

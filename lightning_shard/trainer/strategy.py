@@ -33,7 +33,7 @@ from lightning_shard.checkpoint.io.selection import MODEL_SELECTION_KEY, ModelSe
 from lightning_shard.checkpoint.io.storage import checked_storage_options, is_url, location
 from lightning_shard.checkpoint.save.background import BackgroundSaver, refuse_full_layout_in_background
 from lightning_shard.checkpoint.save.save import StateDictType, save_checkpoint_dir
-from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
+from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict, state_dicts_available
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.registry import register_shard_strategies
@@ -415,8 +415,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         ``trainer.save_checkpoint`` (its ``on_save_checkpoint`` hooks included) always the sharded views: see
         [Note: a Trainer save gathers nothing it does not write]. Collective: every rank must call it."""
         assert self.lightning_module is not None
-        if self._saves.scope is SaveScope.TRAINER_SAVE and self.options.tensor_parallel_size > 1:
-            return {}  # the save writes from the shards (see [Note: tensor-parallel checkpoints])
+        if self._saves.scope is SaveScope.TRAINER_SAVE and not state_dicts_available(self.engine):
+            return {}  # HYBRID_SHARD with tensor parallelism has none; the save writes from the shards
         return model_state_dict(self.lightning_module, self._state_dict_layout())
 
     @override
@@ -425,7 +425,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         "params": [name, ...]}]}``), in the layout ``lightning_module_state_dict`` gives. Collective."""
         assert self.lightning_module is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the optimizer it wraps
-        if self._saves.scope is SaveScope.TRAINER_SAVE and self.options.tensor_parallel_size > 1:
+        if self._saves.scope is SaveScope.TRAINER_SAVE and not state_dicts_available(self.engine):
             return {}
         return optimizer_state_dict(self.lightning_module, optimizer, self._state_dict_layout())
 

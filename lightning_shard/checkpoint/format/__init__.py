@@ -41,7 +41,6 @@ TRAINER_STATE_JSON = "trainer_state.json"
 TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 MODEL_PREFIX = "model/"  # index keys of model tensors: "model/" + LightningModule state_dict key
 OPTIMIZER_PREFIX = "optimizer/"  # "optimizer/{i}/{parameter name}/{state name}"
-SMALL_PIECE_BYTES = 64  # a shard file holds pieces this small first in each part (see [Note: small pieces together])
 SPLIT_PIECE_MIN_BYTES = 64 * 2**10  # a sharded save stores whole a tensor whose pieces would be smaller (io/layout.py)
 WHOLE_FILE_MIN_BYTES = 8 * 2**20  # ... in the files of as many shards as it takes for each to hold this much of them
 

@@ -40,7 +40,6 @@ from lightning_shard.checkpoint.format import (
     FORMAT_VERSION,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
-    SMALL_PIECE_BYTES,
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
@@ -503,7 +502,6 @@ def write_shard_file(path: Path, shard: int | None, local: Local, listed: bool =
     nothing (a shard of more shards than a tensor has rows, or whose tensors are all stored whole elsewhere: see
     [Note: small tensors stored whole]): a sharded checkpoint holds one shard file per writing rank. With ``listed``
     (tensor parallelism) the record lists the rows of each piece, for the index to list."""
-    local = small_pieces_first(local)
     writer = SafetensorsStreamWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local], checksums=True)
     try:
         for key, tensor, _ in local:
@@ -514,36 +512,6 @@ def write_shard_file(path: Path, shard: int | None, local: Local, listed: bool =
     writer.close()
     pieces = {key: [rows[0], rows[1]] for key, _, rows in local if rows is not None} if listed else {}
     return [_record(path, shard, {key: key for key, _, rows in local if rows is None}, pieces)]
-
-
-# [Note: small pieces together]
-# A shard file of a large world holds a piece of every tensor, and the pieces of small tensors (biases, norms) are a
-# few bytes each: at W=1024 two thirds of a GPT's pieces are one or two elements. A rank of a smaller world reads
-# each file's pieces straight into its targets, one place each in one ``preadv`` (see [Note: checking pieces where
-# they land] in crc32_combine.py), and the kernel's cost grows with the places, not only the bytes. So each file
-# holds its pieces of at most ``SMALL_PIECE_BYTES`` first in their part of the file (the model's tensors, each
-# optimizer's, the averaged weights'), in their order, then the others in theirs: a reader takes the small ones in
-# one place a file, a buffer, and copies each tensor's out at once. The index does not depend on the order.
-
-
-def small_pieces_first(local: Local) -> Local:
-    """``local`` in the order a shard file holds it: within each part (see [Note: small pieces together]), the pieces
-    of at most ``SMALL_PIECE_BYTES`` first; the order is otherwise kept."""
-    parts: dict[str, int] = {}
-    for key, _, _ in local:
-        parts.setdefault(_file_part(key), len(parts))
-
-    def place(item: tuple[str, Tensor, tuple[int, int] | None]) -> tuple[int, bool]:
-        key, tensor, _ = item
-        return parts[_file_part(key)], tensor.numel() * tensor.element_size() > SMALL_PIECE_BYTES
-
-    return sorted(local, key=place)
-
-
-def _file_part(key: str) -> str:
-    """The part of a shard file ``key`` belongs to: the model's, an optimizer's (``optimizer/0``), the averaged."""
-    head, _, rest = key.partition("/")
-    return f"{head}/{rest.partition('/')[0]}" if key.startswith(OPTIMIZER_PREFIX) else head
 
 
 class _FullWriter(_Plan):

@@ -91,12 +91,18 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, layout: StateD
         return _sharded_optimizer_state_dict(engine, params, state, groups)
 
 
-def _refuse_tensor_parallel(engine: ShardedModule) -> None:
-    """Under tensor parallelism the data-parallel ranks must be one axis (the 2-D mesh's ``"data_parallel"``): a
-    ``HYBRID_SHARD`` layout of them is refused, not given in a layout that would mislead. Checkpoints
-    (``save_checkpoint``, ``fabric.save``) hold every tensor whole in any layout."""
+def state_dicts_available(engine: ShardedModule) -> bool:
+    """Whether ``engine``'s model has state dicts: under tensor parallelism the data-parallel ranks must be one axis
+    (the 2-D mesh's ``"data_parallel"``), not a ``HYBRID_SHARD`` layout of them. Checkpoints (``save_checkpoint``,
+    ``fabric.save``) hold every tensor whole in any layout."""
     mesh = engine.mesh
-    if mesh.tensor_parallel_size > 1 and mesh.replicas > 1 and mesh.shard_size > 1:
+    return not (mesh.tensor_parallel_size > 1 and mesh.replicas > 1 and mesh.shard_size > 1)
+
+
+def _refuse_tensor_parallel(engine: ShardedModule) -> None:
+    """State dicts where ``state_dicts_available`` says there are none are refused, not given in a layout that would
+    mislead."""
+    if not state_dicts_available(engine):
         raise NotImplementedError(
             "state_dict() of a model trained with tensor_parallel_size > 1 and HYBRID_SHARD is not available yet."
             " Save a checkpoint (trainer.save_checkpoint / fabric.save: every tensor whole, loadable at any size) and"
