@@ -298,8 +298,8 @@ def test_large_pieces_read_in_place_exactly_as_saved_and_a_flipped_byte_in_one_i
             assert torch.equal(got_bias, state["0.bias"][start:stop]), (start, stop)
     shard = ckpt / shard_file_name(2, 7)  # rows 8-11
     header = read_index(ckpt)["tensors"]["model/0.weight"].files.header(shard.name)
-    assert header.entries["model/0.weight"].begin == 16 and header.table.data_bytes == 16 + 4 * 4200 * 4
-    _flip(shard, header.data_start + 66000)  # in row 11 (bytes [50416, 67216)), in the second block
+    assert header.entries["model/0.weight"].begin == 0 and header.table.data_bytes == 4 * 4200 * 4 + 16
+    _flip(shard, header.data_start + 66000)  # in row 11 (bytes [50400, 67200)), in the second block
     weight = read_index(ckpt)["tensors"]["model/0.weight"]
     for start, stop, refused in ((0, 23, True), (8, 9, False), (10, 12, True), (12, 23, False), (0, 8, False)):
         if refused:

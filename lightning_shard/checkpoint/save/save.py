@@ -501,7 +501,9 @@ def write_shard_file(path: Path, shard: int | None, local: Local, listed: bool =
     ``path``, the CRC-32s of its data in its header; its record. Every shard writes its file, also one holding
     nothing (a shard of more shards than a tensor has rows, or whose tensors are all stored whole elsewhere: see
     [Note: small tensors stored whole]): a sharded checkpoint holds one shard file per writing rank. With ``listed``
-    (tensor parallelism) the record lists the rows of each piece, for the index to list."""
+    (tensor parallelism) the record lists the rows of each piece, for the index to list. The tensors stored whole
+    come first, then the pieces, each in ``local``'s order (see [Note: small tensors stored whole])."""
+    local = sorted(local, key=lambda item: item[2] is not None)
     writer = SafetensorsStreamWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local], checksums=True)
     try:
         for key, tensor, _ in local:
