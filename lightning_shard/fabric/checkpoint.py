@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
+from lightning_shard.checkpoint.foreign.sources import detect
 from lightning_shard.checkpoint.foreign.torch_files import is_pickle
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
 from lightning_shard.checkpoint.io.agreement import agree
@@ -97,7 +98,9 @@ def load_fabric_state(path: Location, state: dict[str, Any], strict: bool) -> di
     """Fill ``state``'s module, optimizers and values in place from the checkpoint at ``path`` (a checkpoint
     directory, or what another strategy's ``fabric.save`` or Trainer wrote:
     ``lightning_shard.checkpoint.foreign.sources``); return what the checkpoint holds that ``state`` did not ask for.
-    Collective."""
+    Collective. A local ``path`` that holds no checkpoint is refused first, as Lightning's strategies refuse it."""
+    if isinstance(path, Path):
+        agree(lambda: detect(path))
     module_key, module = _sharded_module(state, "fabric.load")
     optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
     optimizers = [state[k] for k in optimizer_keys]

@@ -5,8 +5,8 @@ It translates Fabric's calls (``setup_module``, ``setup_optimizers``, ``backward
 ``lightning_shard.ShardStrategy`` translates the Trainer's hooks; both take the same arguments
 (``lightning_shard.common.options``).
 """
-
-from __future__ import annotations
+# Annotations are evaluated (no ``from __future__ import annotations``): jsonargparse, and so LightningCLI, reads
+# the arguments' types as objects from ``inspect.signature(ShardStrategy)``.
 
 import atexit
 import os
@@ -125,11 +125,12 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
     ) -> None:
+        if checkpoint_io is not None:
+            _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
             precision=precision,
         )
         self.options = ShardOptions.parse(
@@ -192,6 +193,19 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     def precision(self, precision: Precision | None) -> None:
         self._precision = _as_shard_precision(precision)
 
+    @property  # type: ignore[override]
+    @override
+    def checkpoint_io(self) -> NoReturn:
+        raise NotImplementedError(  # FSDPStrategy's words first, for code and log searches written for it
+            "The `ShardStrategy` does not use the `CheckpointIO` plugin interface: it writes checkpoints itself"
+            " (safetensors and JSON from every rank; fabric.save)."
+        )
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        _refuse_checkpoint_io(io)
+
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:
         """The dtypes in effect: ``mixed_precision`` if given, else what the precision plugin implies."""
@@ -207,14 +221,6 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
 
     @override
     def setup_environment(self) -> None:
-        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-        io = self._checkpoint_io
-        if io is not None and type(io) is not TorchCheckpointIO:
-            raise TypeError(
-                f"ShardStrategy writes checkpoints itself (safetensors and JSON from every rank); the CheckpointIO"
-                f" plugin {type(io).__name__} would not be used. Remove it from Fabric's plugins."
-            )
         super().setup_environment()
         self._check_parallel_sizes()
         self.set_world_ranks()
@@ -460,9 +466,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             engine.reshard_all()
         if self._mesh is not None:
             self._mesh.destroy()
-        assert self.cluster_environment is not None
+        assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
-        super().teardown()
+        self.precision.teardown()
+        self.accelerator.teardown()  # no CheckpointIO plugin to tear down: the strategy has none
 
     # Registry #
 
@@ -494,6 +501,14 @@ class _ShardBackwardSyncControl(_BackwardSyncControl):
             return
         with accumulating(engine, self._strategy.options.grad_sync):
             yield
+
+
+def _refuse_checkpoint_io(io: CheckpointIO) -> NoReturn:
+    raise NotImplementedError(  # FSDPStrategy's words first, for code and log searches written for it
+        f"The `ShardStrategy` does not support setting a `CheckpointIO` plugin: it writes checkpoints itself"
+        f" (safetensors and JSON from every rank), so the plugin {type(io).__name__} would not be used. Remove it"
+        " from Fabric's plugins (and from the strategy's arguments)."
+    )
 
 
 def _init_context(

@@ -1,7 +1,7 @@
 """``ShardStrategy``: the Lightning side. It sets up processes and the mesh, hands the model to the
 engine, and routes Lightning's hooks to it; the sharding itself lives in ``engine``/``unit``."""
-
-from __future__ import annotations
+# Annotations are evaluated (no ``from __future__ import annotations``): jsonargparse, and so LightningCLI, reads
+# the arguments' types as objects from ``inspect.signature(ShardStrategy)``.
 
 import logging
 import os

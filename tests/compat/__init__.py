@@ -91,7 +91,7 @@ tests_pytorch/strategies/test_fsdp.py (FSDPStrategy, Trainer)
 - test_save_sharded_and_consolidate_and_load: consolidate to one file, DDP resumes. [a] for the model
   T.test_a_sharded_checkpoint_consolidates_into_one_file_a_plain_model_loads; the DDP resume with optimizer [c]
 - test_device_mesh_type_annotation: jsonargparse parses ``[1, 4]``. [a]
-  T.test_device_mesh_annotation_parses_a_pair_from_the_command_line (annotations postponed: ``eval_str=True``, [c])
+  T.test_device_mesh_annotation_parses_a_pair_from_the_command_line
 - test_pl_save_checkpoint_does_not_corrupt_remote_path: a ``gs://`` URL is not turned into ``gs:/``. [a]
   T.test_a_url_reaches_the_storage_layer_whole
 
@@ -102,8 +102,7 @@ tests_fabric/strategies/test_fsdp.py (FSDPStrategy, Fabric)
 - test_cpu_offload [a] F.test_cpu_offload_takes_a_bool_or_torchs_cpu_offload
 - test_sharding_strategy [a] F.test_sharding_strategy_takes_names_in_any_case_and_both_enums
 - test_hybrid_shard_configuration[2] [c] F.test_hybrid_shard_needs_neither_a_wrap_policy_nor_a_process_group
-- test_checkpoint_io_unsupported: ``NotImplementedError`` on get/set. [c]
-  F.test_a_checkpoint_io_plugin_is_refused_before_the_processes_start
+- test_checkpoint_io_unsupported: ``NotImplementedError`` on get/set. [a] F.test_checkpoint_io_unsupported
 - test_setup_use_orig_params: False refused at joint set-up; default works. [c] (refused at construction)
   F.test_fsdp_flags_are_taken_as_true_and_refused_as_false,
   F.test_joint_setup_keeps_parameter_groups_on_the_layers_parameters
@@ -196,7 +195,7 @@ tests_pytorch/strategies/test_model_parallel.py and tests_fabric/strategies/test
 - test_parallelize_fn_call (Fabric) [a]
   M.test_parallelize_fn_applies_a_tensor_parallel_plan_and_needs_tensor_parallelism and
   tests/test_tensor_parallel.py (called with the mesh in ``setup_module``)
-- test_checkpoint_io_unsupported (Fabric) [c] F.test_a_checkpoint_io_plugin_is_refused_before_the_processes_start
+- test_checkpoint_io_unsupported (Fabric) [a] F.test_checkpoint_io_unsupported
 - test_no_backward_sync (Fabric) [a] F.test_no_backward_sync_holds_the_reduction_back_and_the_gradients_add_up
 - test_save_checkpoint_storage_options (both) [a] T./F.test_save_checkpoint_refuses_storage_options
 - test_save_checkpoint_path_exists (both) [c] T./F.test_save_replaces_a_checkpoint_and_never_other_data

@@ -97,17 +97,23 @@ def test_fsdp_flags_are_taken_as_true_and_refused_as_false(flag: str) -> None:
         ShardStrategy(**{flag: False})
 
 
-def test_a_checkpoint_io_plugin_is_refused_before_the_processes_start() -> None:
-    """test_checkpoint_io_unsupported (a deliberate difference in type and moment): the strategy writes checkpoints
-    itself, so a ``CheckpointIO`` plugin, which it would ignore, is refused with ``TypeError`` when the environment
-    is set up (FSDPStrategy: ``NotImplementedError`` when the plugin is read or set)."""
+def test_checkpoint_io_unsupported() -> None:
+    """The strategy writes checkpoints itself: reading its ``CheckpointIO`` plugin, or setting one (as
+    ``Fabric(plugins=[...])`` does, before any process starts), is ``NotImplementedError`` in FSDPStrategy's words,
+    then ours; so is passing one to the strategy."""
 
     class Elsewhere(TorchCheckpointIO):
         pass
 
-    strategy = ShardStrategy(checkpoint_io=Elsewhere(), parallel_devices=[torch.device("cpu")])
-    with pytest.raises(TypeError, match="Elsewhere would not be used"):
-        strategy.setup_environment()
+    strategy = ShardStrategy()
+    with pytest.raises(NotImplementedError, match="does not use the `CheckpointIO` plugin"):
+        _ = strategy.checkpoint_io
+    with pytest.raises(NotImplementedError, match="does not support setting a `CheckpointIO` plugin.*Elsewhere"):
+        strategy.checkpoint_io = Elsewhere()
+    with pytest.raises(NotImplementedError, match="does not support setting a `CheckpointIO` plugin.*Elsewhere"):
+        ShardStrategy(checkpoint_io=Elsewhere())
+    with pytest.raises(NotImplementedError, match="does not support setting a `CheckpointIO` plugin.*Elsewhere"):
+        L.Fabric(accelerator="cpu", devices=1, strategy=ShardStrategy(), plugins=[Elsewhere()])
 
 
 NOT_SET_UP = "is only possible if the module passed to .* is wrapped in `FullyShardedDataParallel`"  # Lightning's
@@ -228,10 +234,11 @@ def test_threads_left_running_can_be_stopped_as_test_suites_do() -> None:
 
 
 def test_device_mesh_annotation_parses_a_pair_from_the_command_line() -> None:
-    """test_device_mesh_type_annotation: jsonargparse turns ``--device_mesh=[1, 4]`` into ``(1, 4)``."""
+    """test_device_mesh_type_annotation: jsonargparse turns ``--device_mesh=[1, 4]`` into ``(1, 4)``, given the type
+    the bare signature holds."""
     import jsonargparse
 
-    annotation = inspect.signature(ShardStrategy, eval_str=True).parameters["device_mesh"].annotation
+    annotation = inspect.signature(ShardStrategy).parameters["device_mesh"].annotation
     parser = jsonargparse.ArgumentParser()
     parser.add_argument("--device_mesh", type=annotation)
     assert parser.parse_args(["--device_mesh=[1, 4]"]).device_mesh == (1, 4)
@@ -331,16 +338,19 @@ def test_a_checkpoint_holds_exactly_one_set_up_module(tmp_path: Path) -> None:
 def load_from_an_empty_directory(rank: int, world_size: int, path: str) -> dict[str, str]:
     f = fabric(ShardStrategy())
     model = f.setup_module(nn.Linear(4, 4))
-    return {"load": raised(lambda: f.load(path, {"model": model})), "load_raw": raised(lambda: f.load_raw(path, model))}
+    return {"load": raised(lambda: f.load(path, {"model": model})), "load_raw": raised(lambda: f.load_raw(path, model)),
+            "load, no module set up": raised(lambda: f.load(path, {"model": nn.Linear(4, 4)}))}
 
 
 def test_loading_a_path_that_is_not_a_checkpoint_is_a_value_error(tmp_path: Path) -> None:
     """test_load_unknown_checkpoint_type / test_load_raw_checkpoint_validate_single_file: an empty directory is no
-    checkpoint, for ``load`` and ``load_raw`` alike: ``ValueError`` (``CheckpointError``) naming the path.
-    ``load_raw`` also reads the model of a checkpoint directory, not only a single file (a deliberate difference)."""
+    checkpoint, for ``load`` and ``load_raw`` alike: ``ValueError`` (``CheckpointError``) naming the path, before
+    the state is looked at (a state without a set-up module gets the same error). ``load_raw`` also reads the model
+    of a checkpoint directory, not only a single file (a deliberate difference)."""
     (tmp_path / "empty_dir").mkdir()
     lightnings = {  # the words of Lightning's strategies come first, for code and log searches written for them
         "load": "does not point to a valid checkpoint",
+        "load, no module set up": "does not point to a valid checkpoint",
         "load_raw": "The given path must be a single file containing the full state dict",
     }
     for outcome in on_ranks(load_from_an_empty_directory, str(tmp_path / "empty_dir")):

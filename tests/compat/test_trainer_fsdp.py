@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import re
@@ -251,13 +252,11 @@ def test_timeout_reaches_the_process_group(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_device_mesh_annotation_parses_a_pair_from_the_command_line() -> None:
-    """test_device_mesh_type_annotation: jsonargparse turns ``--device_mesh=[1, 4]`` into ``(1, 4)``. The annotations
-    are evaluated (``eval_str=True``): the module postpones them (PEP 563), so the bare signature holds strings."""
-    import inspect
-
+    """test_device_mesh_type_annotation: jsonargparse turns ``--device_mesh=[1, 4]`` into ``(1, 4)``, given the type
+    the bare signature holds."""
     import jsonargparse
 
-    annotation = inspect.signature(ShardStrategy, eval_str=True).parameters["device_mesh"].annotation
+    annotation = inspect.signature(ShardStrategy).parameters["device_mesh"].annotation
     parser = jsonargparse.ArgumentParser()
     parser.add_argument("--device_mesh", type=annotation)
     assert parser.parse_args(["--device_mesh=[1, 4]"]).device_mesh == (1, 4)
@@ -772,3 +771,4 @@ def test_a_sharded_checkpoint_consolidates_into_one_file_a_plain_model_loads(tmp
     unsharded model loads with ``load_state_dict``, weight for weight. (Lightning then resumes DDP from it with the
     optimizer state: the optimizer state does not carry over to DDP here, a deliberate difference.)"""
     assert on_ranks(consolidate_and_load_plainly, str(tmp_path)) == [True, True]
+
