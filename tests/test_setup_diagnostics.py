@@ -87,6 +87,9 @@ def test_modules_whose_meta_parameters_nothing_initialises_are_named_once_at_set
     ranks = run_on_ranks(meta_model_warnings, 2, "reset_parameters")
     warned = ranks[0]["warnings"]
     assert len(warned) == 1 and ranks[1]["warnings"] == []  # one warning, from global rank 0
+    assert warned[0].startswith(  # Lightning's words first (each class once), for log searches written for them
+        "Parameter initialization incomplete. The following modules have parameters or buffers with uninitialized"
+        " memory because they don't define a `reset_parameters()` method for re-initialization: NoReset. ")
     assert "nothing initialises them: 2 (NoReset), 3.0 (NoReset)." in warned[0]
     assert "0 (Linear)" not in warned[0]  # nn.Linear initialised itself
     for fix in ("load_safetensors_into()", "fabric.load_raw()", "reset_parameters()", "param_init='empty'"):

@@ -392,7 +392,7 @@ def shard_module(
         assignment[unit_id].append(sp)
         full[id(sp)] = local
     uninitialized: dict[str, str] = {}  # see [Note: parameters nothing initialises]
-    nothing_initialises: dict[int, str] = {}  # id(module) -> "name (Class)", under RESET_PARAMETERS
+    nothing_initialises: dict[int, nn.Module] = {}  # id(module) -> module, under RESET_PARAMETERS
     names = {id(m): n or "<root>" for n, m in root.named_modules()}
     for unit_id, sps in assignment.items():
         for sp in sps:
@@ -402,12 +402,14 @@ def shard_module(
                 owner = sp.owners[0][0]
                 uninitialized[sp.fqn] = f"{sp.fqn} ({names.get(id(owner), '?')}: {type(owner).__name__})"
                 if param_init is ParamInit.RESET_PARAMETERS:
-                    nothing_initialises[id(owner)] = f"{names.get(id(owner), '?')} ({type(owner).__name__})"
+                    nothing_initialises[id(owner)] = owner
             for m, _ in sp.owners:
                 if not without_reset_parameters(m) and all(m is not x for x in meta_modules[unit_id]):
                     meta_modules[unit_id].append(m)
     if nothing_initialises:
-        warn_nothing_initialises(list(nothing_initialises.values()))
+        owners = list(nothing_initialises.values())
+        warn_nothing_initialises([f"{names.get(id(m), '?')} ({type(m).__name__})" for m in owners],
+                                 [type(m).__name__ for m in owners])
     initialize_parameterless_buffers(parameterless, device)
 
     reshard = strategy.reshards_after_forward
