@@ -54,7 +54,8 @@ def _warn_if_checkpointed_already(root: nn.Module) -> None:
     wrapped = [name or "<root>" for name, m in root.named_modules() if isinstance(m, CheckpointWrapper)]
     if wrapped:
         warn_rank0(
-            "The model is already checkpointed by PyTorch's checkpoint_wrapper (or apply_activation_checkpointing)"
+            "FSDP checkpointing is configured, but the model already contains checkpointed layers."  # Lightning's
+            " The model is already checkpointed by PyTorch's checkpoint_wrapper (or apply_activation_checkpointing)"
             f" at {', '.join(wrapped)}, and activation_checkpointing_policy checkpoints it as well: a module"
             " checkpointed both ways is recomputed twice in backward. Use one of the two: drop"
             " activation_checkpointing_policy, or the checkpoint_wrapper/apply_activation_checkpointing call.",

@@ -657,8 +657,12 @@ def test_a_checkpoint_with_another_number_of_optimizers_is_a_runtime_error(tmp_p
     """test_strategy_load_optimizer_states_multiple: more or fewer optimizer states than configured optimizers raise a
     ``RuntimeError`` that gives both counts."""
     for outcome in on_ranks(optimizer_count_mismatch, str(tmp_path)):
+        lightnings = "You have configured {} optimizers but the checkpoint contains {} optimizers to load"
+        assert lightnings.format(1, 2) in outcome["more in the checkpoint"], outcome
+        assert lightnings.format(2, 1) in outcome["fewer in the checkpoint"], outcome
         assert "holds 2 optimizer states; the model has 1" in outcome["more in the checkpoint"], outcome
         assert "holds 1 optimizer states; the model has 2" in outcome["fewer in the checkpoint"], outcome
+        assert all("Nothing was loaded" in message for message in outcome.values())
         assert all(message.startswith("CheckpointError") for message in outcome.values())
     assert issubclass(lightning_shard.CheckpointError, RuntimeError)
 
