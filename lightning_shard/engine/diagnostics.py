@@ -17,16 +17,17 @@ def warn_rank0(message: str, stacklevel: int = 3) -> None:
         warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 
-def warn_nothing_initialises(modules: list[str], classes: list[str]) -> None:
-    """Name, once at set-up, the modules whose meta-device parameters nothing initialises (see [Note: parameters
-    nothing initialises]), and their classes, in Lightning's words first. Not given with ``param_init="empty"``,
-    which asks for exactly that."""
+def warn_nothing_initialises(modules: dict[str, str]) -> None:
+    """Name, once at set-up, the modules (name -> class name) whose meta-device parameters nothing initialises (see
+    [Note: parameters nothing initialises]), and their classes, in Lightning's words first. Not given with
+    ``param_init="empty"``, which asks for exactly that."""
     warn_rank0(
         "Parameter initialization incomplete. The following modules have parameters or buffers with uninitialized"
         " memory because they don't define a `reset_parameters()` method for re-initialization: "
-        + ", ".join(dict.fromkeys(classes)) + ". "
+        + ", ".join(dict.fromkeys(modules.values())) + ". "
         "These modules own parameters built on the meta device but have no reset_parameters(), so nothing"
-        " initialises them: " + ", ".join(modules) + ". Their shards hold uninitialised memory, and a forward"
+        " initialises them: " + ", ".join(f"{name} ({cls})" for name, cls in modules.items()) + ". Their shards"
+        " hold uninitialised memory, and a forward"
         " raises until weights are loaded. Load the weights before the first forward (load_safetensors_into(),"
         " e.g. from on_fit_start, or fabric.load_raw() after setup_module), give these modules a"
         " reset_parameters(), or pass param_init='empty' if the whole model is loaded (it initialises nothing"

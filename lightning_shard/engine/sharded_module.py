@@ -407,9 +407,7 @@ def shard_module(
                 if not without_reset_parameters(m) and all(m is not x for x in meta_modules[unit_id]):
                     meta_modules[unit_id].append(m)
     if nothing_initialises:
-        owners = list(nothing_initialises.values())
-        warn_nothing_initialises([f"{names.get(id(m), '?')} ({type(m).__name__})" for m in owners],
-                                 [type(m).__name__ for m in owners])
+        warn_nothing_initialises({names.get(i, "?"): type(m).__name__ for i, m in nothing_initialises.items()})
     initialize_parameterless_buffers(parameterless, device)
 
     reshard = strategy.reshards_after_forward
