@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 _DTYPES = {
     "float32": torch.float32,
@@ -137,3 +138,18 @@ def mixed_precision_for(precision: str) -> MixedPrecision | None:
             return MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
         case _:
             return None
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` (nested containers) with every floating-point tensor cast to ``dtype``."""
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in flat], spec)
+
+
+def cast_floating_outputs(dtype: torch.dtype):  # noqa: ANN201
+    """A forward hook that casts a module's floating-point outputs to ``dtype``."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        return cast_floating(output, dtype)
+
+    return hook

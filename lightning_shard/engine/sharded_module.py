@@ -76,7 +76,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.buffer_pool import BufferPool
@@ -90,7 +89,13 @@ from lightning_shard.engine.compile import adopt_compiled_wrappers, outside_comp
 from lightning_shard.engine.cpu_allocator import CpuAllocator, apply_cpu_allocator
 from lightning_shard.engine.diagnostics import warn_nothing_initialises
 from lightning_shard.engine.mesh import ShardMesh
-from lightning_shard.engine.mixed_precision import MixedPrecision, cast_normalization_inputs, parse_dtype
+from lightning_shard.engine.mixed_precision import (
+    MixedPrecision,
+    cast_floating,
+    cast_floating_outputs,
+    cast_normalization_inputs,
+    parse_dtype,
+)
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units, without_reset_parameters
 from lightning_shard.engine.policies import ParamInit, ShardingStrategy, WrapPolicy
@@ -492,7 +497,7 @@ def _register_hooks(engine: ShardedModule, mixed_precision: MixedPrecision | Non
     root_unit.module.register_forward_hook(outside_compiled_code(_root_post_forward(engine)))
     output_dtype = parse_dtype(mixed_precision.output_dtype) if mixed_precision is not None else None
     if output_dtype is not None:
-        root_unit.module.register_forward_hook(outside_compiled_code(_cast_floating(output_dtype)))
+        root_unit.module.register_forward_hook(outside_compiled_code(cast_floating_outputs(output_dtype)))
     owners = {id(m): m for p in root_unit.params for m, _ in p.owners if m is not root_unit.module}
     gather_root, free_root = _gather_root_if_needed(engine)
     for module in owners.values():
@@ -523,7 +528,7 @@ def _root_pre_forward(engine: ShardedModule, mixed_precision: MixedPrecision | N
         if root_unit._forward_depth == 0:
             engine.buffer_sync.before_root_forward()
         if input_dtype is not None:
-            args, kwargs = _cast_tree((args, kwargs), input_dtype)
+            args, kwargs = cast_floating((args, kwargs), input_dtype)
         return root_unit.pre_forward(module, args, kwargs)
 
     return hook
@@ -533,18 +538,6 @@ def _root_post_forward(engine: ShardedModule):  # noqa: ANN202
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         if engine.root_unit._forward_depth == 0:  # the outermost root forward has ended
             engine.end_forward_pass()
-
-    return hook
-
-
-def _cast_tree(tree: Any, dtype: torch.dtype) -> Any:
-    flat, spec = tree_flatten(tree)
-    return tree_unflatten([t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in flat], spec)
-
-
-def _cast_floating(dtype: torch.dtype):  # noqa: ANN202
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return _cast_tree(output, dtype)
 
     return hook
 
