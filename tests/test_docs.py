@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +99,29 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     signal.signal(signal.SIGTERM, sigterm_handler)
 
 
-@pytest.mark.parametrize("code", _blocks("python"))
+# Names a block may use without defining them: what the prose says is the reader's own code (see the docstring).
+_PLACEHOLDERS = ("Block", "build_gpt", "model", "datamodule", "loader", "dataset", "MyModel", "make_loader",
+                 "resume_from")
+_PYTHON_BLOCKS = _blocks("python")
+
+
+def test_every_python_block_imports_what_it_uses(tmp_path: Path) -> None:
+    """A reader copies a block into a file of their own: every name it uses is imported or defined in it (``L``,
+    ``torch`` and ``F`` too, which the namespace above also gives), except the reader's own code the prose names."""
+    files = []
+    for i, block in enumerate(_PYTHON_BLOCKS):
+        files.append(tmp_path / f"{block.id.replace('.', '_').replace('-', '_')}_{i}.py")
+        files[-1].write_text(block.values[0])
+    ruff = Path(sys.executable).with_name("ruff")
+    result = subprocess.run(
+        [str(ruff), "check", "--no-cache", "--isolated", "--select", "F821", "--output-format", "concise",
+         "--config", f"builtins={list(_PLACEHOLDERS)}", *map(str, files)],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.parametrize("code", _PYTHON_BLOCKS)
 def test_python_block_runs(code: str, namespace: dict[str, Any]) -> None:
     exec(compile(code, "<doc>", "exec"), namespace)  # noqa: S102 - the docs' own code
 

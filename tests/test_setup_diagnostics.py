@@ -155,7 +155,7 @@ def test_a_model_torch_already_checkpoints_gets_a_warning_when_the_policy_checkp
         apply_activation_checkpointing(plain, policy)  # checkpointed once: nothing to say
     model = MLPStack(depth=2)
     torch_aac(model, check_fn=lambda m: isinstance(m, MLPBlock))
-    expected = (r"^FSDP checkpointing is configured, but the model already contains checkpointed layers\. "  # Lightning's
+    expected = (r"^FSDP checkpointing is configured, but the model already contains checkpointed layers\. "  # theirs
                 r".*already checkpointed by PyTorch's checkpoint_wrapper .* at blocks\.0, blocks\.1, and")
     with pytest.warns(UserWarning, match=expected):
         apply_activation_checkpointing(model, policy)
