@@ -58,17 +58,25 @@ def load_model_state(
     optimizers: Sequence[Optimizer] = (),
 ) -> None:
     """This rank's rows of every parameter and every buffer, from the checkpoint ``read_trainer_checkpoint`` read.
-    With ``optimizers`` (a fit that restores them next, as many as the checkpoint holds), their states are read and
-    loaded in the same pass, each shard file opened once for both, as Lightning's ``FSDPStrategy`` loads both in
-    its ``load_checkpoint``; ``load_optimizer_states`` then finds them loaded."""
+    With ``optimizers`` (a fit that restores them next), their states are read and loaded in the same pass, each
+    shard file opened once for both, as Lightning's ``FSDPStrategy`` loads both in its ``load_checkpoint``;
+    ``load_optimizer_states`` then finds them loaded. A checkpoint holding another number of optimizer states is
+    refused before anything is read into the model."""
     source = checkpoint["state_dict"]
     if not isinstance(source, CheckpointSource):
         raise TypeError(
             "ShardStrategy loads model state from its checkpoint directories; to load a plain model file use"
             " lightning_shard.load_safetensors_into()."
         )
-    states = checkpoint.get("optimizer_states")
-    together = list(optimizers) if states and source.optimizer_count == len(optimizers) else []
+    together = list(optimizers) if checkpoint.get("optimizer_states") else []
+    if together and source.optimizer_count != len(together):
+        raise CheckpointError(  # Lightning's words first, for code and log searches written for its strategies
+            f"You have configured {len(together)} optimizers but the checkpoint contains {source.optimizer_count}"
+            " optimizers to load. Please resume training with the same number of optimizers or edit the checkpoint"
+            f" manually to remove states. The checkpoint {source.path} holds {source.optimizer_count} optimizer"
+            f" states; the model has {len(together)}: configure_optimizers must return as many, in the order they"
+            " were saved. Nothing was loaded."
+        )
     result = source.load_model_and_optimizers(engine, module, together, strict)
     if together:
         cast(dict[str, Any], checkpoint)["optimizer_states"] = [OptimizerStates.READ_WITH_THE_MODEL] * len(together)

@@ -29,7 +29,6 @@ from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.io.selection import MODEL_SELECTION_KEY, ModelSelection
 from lightning_shard.checkpoint.io.storage import checked_storage_options, is_url, location
 from lightning_shard.checkpoint.save.background import BackgroundSaver, refuse_full_layout_in_background
@@ -478,24 +477,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         refused."""
         refuse_unpickling(weights_only)
         path = self.broadcast(os.fspath(checkpoint_path))
-        checkpoint = read_trainer_checkpoint(location(path, self._url_options(path)))
-        self._refuse_another_optimizer_count(checkpoint, path)
-        return checkpoint
-
-    def _refuse_another_optimizer_count(self, checkpoint: Mapping[str, Any], path: str) -> None:
-        """A fit that restores optimizers from a checkpoint holding another number of optimizer states is refused
-        before anything is read into the model or the optimizers."""
-        assert self.lightning_module is not None
-        stored = len(checkpoint.get("optimizer_states") or [])
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.lightning_restore_optimizer and stored and stored != len(self.optimizers):
-            raise CheckpointError(  # Lightning's words first, for code and log searches written for its strategies
-                f"You have configured {len(self.optimizers)} optimizers but the checkpoint contains {stored}"
-                " optimizers to load. Please resume training with the same number of optimizers or edit the"
-                f" checkpoint manually to remove states. The checkpoint {path} holds {stored} optimizer states; the"
-                f" model has {len(self.optimizers)}: configure_optimizers must return as many, in the order they were"
-                " saved. Nothing was loaded."
-            )
+        return read_trainer_checkpoint(location(path, self._url_options(path)))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

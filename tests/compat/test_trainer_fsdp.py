@@ -775,4 +775,3 @@ def test_a_sharded_checkpoint_consolidates_into_one_file_a_plain_model_loads(tmp
     unsharded model loads with ``load_state_dict``, weight for weight. (Lightning then resumes DDP from it with the
     optimizer state: the optimizer state does not carry over to DDP here, a deliberate difference.)"""
     assert on_ranks(consolidate_and_load_plainly, str(tmp_path)) == [True, True]
-
