@@ -374,12 +374,15 @@ def refused_uses(rank: int, world_size: int) -> dict[str, str]:
         except RuntimeError as error:
             messages["nested"] = str(error)
         assert pair.model.gain.shape == (1, VOCAB), "the refused inner block left the open one alone"
-    for name, module in [("submodule", pair.model.blocks[0]), ("unsharded", GainGPT())]:
-        try:
-            with summon_full_params(module):
-                pass
-        except TypeError as error:
-            messages[name] = str(error)
+    try:
+        with summon_full_params(pair.model.blocks[0]):
+            pass
+    except TypeError as error:
+        messages["submodule"] = str(error)
+    unsharded = GainGPT()
+    before = dict(unsharded.named_parameters())
+    with summon_full_params(unsharded, writeback=True):  # nothing of it is sharded: FSDP's no-op
+        messages["unsharded"] = "same" if dict(unsharded.named_parameters()) == before else "changed"
     try:
         with summon_full_params(pair.model, writeback="yes"):  # type: ignore[arg-type]
             pass
@@ -388,11 +391,11 @@ def refused_uses(rank: int, world_size: int) -> dict[str, str]:
     return messages
 
 
-def test_wrappers_are_looked_through_and_nested_blocks_parts_unsharded_models_and_odd_flags_refused() -> None:
+def test_wrappers_are_looked_through_an_unsharded_model_is_left_alone_nested_blocks_parts_and_flags_refused() -> None:
     for messages in run_on_ranks(refused_uses, 2):
         assert "already open on this model" in messages["nested"]
         assert "needs the sharded model, not a GPTBlock" in messages["submodule"]
-        assert "needs the sharded model, not a GainGPT" in messages["unsharded"]
+        assert messages["unsharded"] == "same"
         assert "writeback=...) must be True or False, got 'yes'" in messages["flag"]
 
 

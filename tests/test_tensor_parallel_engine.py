@@ -108,6 +108,57 @@ def test_steps_clipping_and_full_params_equal_the_whole_model(options: dict[str,
             torch.testing.assert_close(result["params"][name], value.detach(), msg=name)
 
 
+def _full_params(model: nn.Module) -> dict[str, Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    with summon_full_params(model):
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in model.named_parameters()}  # fmt: skip
+
+
+def meta_built(rank: int, world_size: int) -> dict[str, Any]:
+    """A model built on the meta device, with and without the plan, initialised by the engine from one seed; then
+    three steps of the planned one against the whole model started from its values."""
+    with torch.device("meta"):
+        planned, unplanned = Net(), Net()
+    _parallelize(planned)
+    torch.manual_seed(0)
+    shard_model(planned, auto_wrap_policy={Block}, tensor_parallel_size=TP, device="cpu")
+    torch.manual_seed(0)
+    shard_model(unplanned, auto_wrap_policy={Block}, tensor_parallel_size=TP, device="cpu")
+    initial = _full_params(planned)
+    reference = Net()
+    reference.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(planned.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    dp, dp_rank = world_size // TP, rank // TP
+    for _ in range(3):
+        x, y = torch.randn(4 * dp, 5, generator=g), torch.randn(4 * dp, 3, generator=g)
+        nn.functional.mse_loss(planned(x[4 * dp_rank : 4 * dp_rank + 4]), y[4 * dp_rank : 4 * dp_rank + 4]).backward()
+        nn.functional.mse_loss(reference(x), y).backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    return {"initial": initial, "unplanned": _full_params(unplanned), "trained": _full_params(planned),
+            "reference": {n: p.detach() for n, p in reference.named_parameters()}}  # fmt: skip
+
+
+def test_a_meta_built_model_starts_from_the_values_it_has_without_the_plan_and_trains_as_the_whole_model() -> None:
+    """``init_module(empty_init=True)`` then the plan: each DTensor parameter is initialised in its global shape and
+    split, so the planned model starts exactly where the model without the plan starts from the same seed (its
+    tensor-parallel blocks are not copies of each other), on every rank, and then steps as the whole model."""
+    results = run_on_ranks(meta_built, 4)
+    for rank, result in enumerate(results):
+        for name, value in result["unplanned"].items():
+            torch.testing.assert_close(result["initial"][name], value, msg=f"{name}, rank {rank}")
+            torch.testing.assert_close(result["initial"][name], results[0]["initial"][name], msg=f"{name}, rank {rank}")
+        for name, value in result["reference"].items():
+            torch.testing.assert_close(result["trained"][name], value, msg=f"{name}, rank {rank}")
+    up = results[0]["initial"]["blocks.0.up.weight"]
+    assert not torch.equal(up[:6], up[6:]), "the two tensor-parallel halves differ"
+
+
 def state_dicts(rank: int, world_size: int, strategy: str, root: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 

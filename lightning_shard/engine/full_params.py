@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shard.engine.compile import outside_compiled_code
-from lightning_shard.engine.param_shard import ShardedParam
+from lightning_shard.engine.param_shard import ShardedParam, is_shard
 from lightning_shard.engine.progress import about
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 from lightning_shard.engine.tensor_parallel import local_tensor
@@ -53,13 +53,14 @@ def summon_full_params(
     enter and leave it.
 
     ``module`` is the sharded model: the module given to ``shard_model`` or to ``ShardStrategy`` (the
-    LightningModule), or the one ``fabric.setup_module`` returned. Inside the block every parameter is a full tensor
-    under its usual name (``named_parameters()``, ``state_dict()``, tied weights one tensor), in the parameters' own
-    dtype (the fp32 master weights under mixed precision) and with their ``requires_grad``; ``.grad`` is ``None``.
-    The model runs as a plain module: a forward, ``generate`` or an evaluation communicates nothing, so ranks may run
-    different code (only rank 0 generating, say). Gradients computed inside land on the full tensors and are
-    dropped on exit; the shards' gradients are left as they were. A checkpoint saved inside the block is written
-    from the shards, without the block's changes.
+    LightningModule), or the one ``fabric.setup_module`` returned; a part of a sharded model is refused, and a module
+    none of whose parameters is sharded is left as it is (FSDP's no-op). Inside the block every parameter is a full
+    tensor under its usual name (``named_parameters()``, ``state_dict()``, tied weights one tensor), in the
+    parameters' own dtype (the fp32 master weights under mixed precision) and with their ``requires_grad``; ``.grad``
+    is ``None``. The model runs as a plain module: a forward, ``generate`` or an evaluation communicates nothing, so
+    ranks may run different code (only rank 0 generating, say). Gradients computed inside land on the full tensors
+    and are dropped on exit; the shards' gradients are left as they were. A checkpoint saved inside the block is
+    written from the shards, without the block's changes.
 
     Args:
         writeback: on a normal exit (the block did not raise), write the full weights the modules hold then (edited
@@ -77,6 +78,9 @@ def summon_full_params(
     """
     _check_flags(writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
     engine = _engine_of(module)
+    if engine is None:  # nothing of it is sharded: it holds its full weights already, as FSDP's no-op
+        yield
+        return
     _refuse_mid_step(engine)
     holds = not rank0_only or engine.mesh.rank == 0
     device = torch.device("cpu") if offload_to_cpu else engine.device
@@ -114,10 +118,11 @@ def _check_flags(**flags: Any) -> None:
         )
 
 
-def _engine_of(module: nn.Module) -> ShardedModule:
-    """The engine of ``module``, or of the module a wrapper holds as ``_forward_module`` (Fabric's set-up module)."""
+def _engine_of(module: nn.Module) -> ShardedModule | None:
+    """The engine of ``module``, or of the module a wrapper holds as ``_forward_module`` (Fabric's set-up module);
+    ``None`` for a module none of whose parameters is sharded. A part of a sharded model is refused."""
     engine = sharded_module_of(module) if isinstance(module, nn.Module) else None
-    if engine is not None:
+    if engine is not None or (isinstance(module, nn.Module) and not any(map(is_shard, module.parameters()))):
         return engine
     raise TypeError(
         f"summon_full_params() needs the sharded model, not a {type(module).__name__}: the module given to"

@@ -19,12 +19,21 @@ engine] in ``tensor_parallel``).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from lightning_shard.engine.tensor_parallel import TensorParallelLayout
+
+# Every sharded face, whichever model holds it, by id (a WeakSet would compare tensors with ==).
+_SHARDS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+
+def is_shard(param: Tensor) -> bool:
+    """Whether ``param`` is the sharded face of a parameter of a sharded model (this rank's rows of it)."""
+    return _SHARDS.get(id(param)) is param
 
 
 @dataclass
@@ -118,6 +127,7 @@ class ShardedParam:
         start = self.sharded_offset
         view = flat_sharded[start : start + self.local_rows * self.row_numel].view(self.local_rows, *self.row_shape)
         self.sharded = nn.Parameter(view, requires_grad=self.requires_grad)
+        _SHARDS[id(self.sharded)] = self.sharded
 
     @property
     def gather_dtype(self) -> torch.dtype:

@@ -21,6 +21,16 @@ every tensor-parallel rank, because the plan's hooks all-reduce the gradient of 
 norm used for clipping counts each tensor-parallel shard once and each replicated parameter once
 (``global_grad_norm``).
 
+[Note: meta-device DTensor parameters]
+A model built on the meta device (``init_module(empty_init=True)``, ``torch.device("meta")``) and then given a plan
+has ``DTensor`` parameters without values. When the engine initialises a unit (one at a time) it gives each such
+parameter a plain tensor of its *global* shape, runs the owning modules' ``reset_parameters()`` on those as on the
+model without the plan, checks that every rank drew global rank 0's values (broadcasting only those that differ, as
+for any parameter; see [Note: initial values agree with rank 0]) and keeps this rank's block. So the parameters
+start from the values the same model built without a plan would have under the same seed, whatever the
+tensor-parallel size; drawing each block on its own rank would give blocks that repeat each other on ranks seeded
+alike. The cost is one unit's parameters in their global shape at a time, as for any meta-built unit.
+
 A ``transformers`` config names how each layer of the base model splits (``config.base_model_tp_plan``, e.g. Llama's
 ``{"layers.*.self_attn.q_proj": "colwise", ..., "layers.*.mlp.down_proj": "rowwise"}``): ``hf_tensor_parallel_plan``
 gives it as ``parallelize_module`` takes it, named from the module it is given.
@@ -54,6 +64,7 @@ class TensorParallelLayout:
     global_shape: torch.Size
     global_stride: tuple[int, ...]
     local_offset: tuple[int, ...]  # where this rank's local tensor starts in the global tensor, per dim
+    local_shape: tuple[int, ...]
 
     @classmethod
     def of(cls, fqn: str, param: DTensor) -> TensorParallelLayout:
@@ -76,13 +87,8 @@ class TensorParallelLayout:
                 f"Parameter {fqn} is a DTensor placed {placement}; the engine shards tensor-parallel parameters"
                 " placed Shard(0), Shard(1) or Replicate() (ColwiseParallel, RowwiseParallel, SequenceParallel)."
             )
-        if param.is_meta:
-            raise ValueError(
-                f"Parameter {fqn} is a DTensor on the meta device: with tensor_parallel_size > 1, build the model"
-                " with its weights (not under init_module(empty_init=True)) before applying the plan."
-            )
-        _, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
-        return cls(mesh, placements, param.shape, tuple(param.stride()), tuple(offset))
+        shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+        return cls(mesh, placements, param.shape, tuple(param.stride()), tuple(offset), tuple(shape))
 
     @property
     def shard_dim(self) -> int | None:
@@ -101,6 +107,10 @@ class TensorParallelLayout:
                 local, self.device_mesh, self.placements, run_check=False, shape=self.global_shape,
                 stride=self.global_stride,
             )
+
+    def local_block(self, whole: Tensor) -> Tensor:
+        """This rank's block of ``whole``, a tensor of the global shape (a view)."""
+        return whole[tuple(slice(o, o + n) for o, n in zip(self.local_offset, self.local_shape))]
 
     def local_grad(self, grad: Tensor) -> Tensor:
         """The local tensor of a gradient the module computed for this parameter, in the parameter's placements."""

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
+from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten
 
 from lightning_shard.engine import collectives
@@ -450,23 +451,43 @@ class ShardUnit:
     ) -> None:
         """Materialise the unit in full (one unit at a time), run ``reset_parameters()`` on the ``modules`` that own
         meta-device parameters, and keep this rank's rows of rank 0's values (see [Note: initial values agree with
-        rank 0]); parameters not on the meta device keep their values."""
+        rank 0]); parameters not on the meta device keep their values. A tensor-parallel parameter built on the meta
+        device is materialised in its global shape (see [Note: meta-device DTensor parameters] in
+        tensor_parallel.py)."""
         originals = {id(p): p.unsharded for p in self.params}
+        tensor_parallel = any(p.tensor_parallel is not None and full[id(p)].is_meta for p in self.params)
         with torch.no_grad():
+            values: list[Tensor] = []
             for p in self.params:  # full-size tensors in the parameter dtype, one unit at a time
                 source = full[id(p)]
-                p.unsharded = nn.Parameter(
-                    torch.empty(p.global_shape, dtype=p.dtype, device=device) if source.is_meta else source.to(device),
-                    requires_grad=p.requires_grad,
-                )
+                if not source.is_meta:
+                    value = source.to(device)
+                    p.unsharded = p.unsharded_face(value)
+                else:
+                    layout = p.tensor_parallel
+                    shape = layout.global_shape if layout is not None else p.global_shape
+                    value = torch.empty(shape, dtype=p.dtype, device=device)
+                    p.unsharded = nn.Parameter(value, requires_grad=p.requires_grad)
+                values.append(value)
                 p.expose_unsharded()
             # In reverse module order, so that a tied weight takes the values its first owner gives it
             # (the embedding, not the LM head registered after it).
             for m in reversed(modules):
                 run_initializer(m, device)
-            group = self.mesh.data_parallel_group
-            for p, value in zip(self.params, values_of_rank0([p.unsharded.data for p in self.params], device, group)):
-                p.copy_rows_from_full(value)
+            # A meta-built tensor-parallel parameter, materialised whole, agrees with global rank 0's (as do the
+            # plain parameters of its unit); a block the plan gave agrees within its column.
+            groups: dict[ProcessGroup | None, list[int]] = {}
+            for i, p in enumerate(self.params):
+                given_block = p.tensor_parallel is not None and not full[id(p)].is_meta
+                world = tensor_parallel and not given_block
+                groups.setdefault(None if world else self.mesh.data_parallel_group, []).append(i)
+            for group, indices in groups.items():
+                for i, value in zip(indices, values_of_rank0([values[i] for i in indices], device, group)):
+                    p = self.params[i]
+                    if p.tensor_parallel is not None and full[id(p)].is_meta:
+                        value = p.tensor_parallel.local_block(value)
+                    p.copy_rows_from_full(value)
+            for p in self.params:
                 p.unsharded = originals[id(p)]
         self.state = UnitState.UNSHARDED
         self.reshard()

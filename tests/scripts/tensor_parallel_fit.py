@@ -6,14 +6,15 @@
     python tests/scripts/tensor_parallel_fit.py --role resume --devices 2 --tensor-parallel-size 1 \\
         --resume /tmp/tp/tp-ckpt --steps 6 --name tp1 --root /tmp/tp
 
-``reference`` (DDP): our GPT for 8 steps in fp32 and 4 in bf16-mixed (Trainer), 4 steps in Fabric, Hugging Face
-Llama for 3 steps. ``tp`` (ShardStrategy, ``tensor_parallel_size=2``; each LightningModule applies its plan on
+``reference`` (DDP): our GPT for 8 steps in fp32 and 4 in bf16-mixed (Trainer), 4 steps in Fabric, Hugging Face Llama
+for 3 steps; Fabric with ShardStrategy and the model built on the meta device (``fabric_meta``). ``tp``
+(ShardStrategy, ``tensor_parallel_size=2``; each LightningModule applies its plan on
 ``self.device_mesh["tensor_parallel"]`` in ``configure_model``, as under ModelParallelStrategy without
 ``fully_shard``): the same fits (fp32 for 3 steps, then a checkpoint to ``<root>/tp-ckpt``), Fabric with
-``parallelize_fn``, Llama with the plan its config carries, and Lightning's ModelParallelStrategy + ``fully_shard``
-with the same plan for 3 steps. ``resume``: our GPT resumed from ``--resume`` at the given sizes up to ``--steps``,
-optionally saving ``--save``. Every rank writes ``<root>/<name>-<rank>.pt``: the losses of each fit, each the mean
-over the global batch (what every rank logs).
+``parallelize_fn`` (also with the model built on the meta device, ``fabric_meta``), Llama with the plan its config
+carries, and Lightning's ModelParallelStrategy + ``fully_shard`` with the same plan for 3 steps. ``resume``: our GPT
+resumed from ``--resume`` at the given sizes up to ``--steps``, optionally saving ``--save``. Every rank writes
+``<root>/<name>-<rank>.pt``: the losses of each fit, each the mean over the global batch (what every rank logs).
 """
 
 import argparse
@@ -171,11 +172,13 @@ def trainer_fit(strategy: Any, data_parallel: int, steps: int, kind: str = "gpt"
     return module.losses
 
 
-def fabric_fit(strategy: Any, data_parallel: int, steps: int = 4) -> list[float]:
+def fabric_fit(strategy: Any, data_parallel: int, steps: int = 4, empty_init: bool = False) -> list[float]:
     fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)
-    model = fabric.setup_module(GPT())
+    with fabric.init_module(empty_init=empty_init):
+        model = GPT()
+    model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     x, y = dataset().tensors
     rank = fabric.global_rank // (fabric.world_size // data_parallel)  # the data-parallel rank
@@ -204,6 +207,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["bf16"] = trainer_fit("ddp", 2, 4, precision="bf16-mixed")
         out["llama"] = trainer_fit("ddp", 2, 3, kind="llama")
         out["fabric"] = fabric_fit("ddp", 2)
+        # Built on the meta device: the strategy initialises it (reset_parameters()), whatever the sizes.
+        meta = lightning_shard.fabric.ShardStrategy(auto_wrap_policy={Block})
+        out["fabric_meta"] = fabric_fit(meta, 2, empty_init=True)
     elif args.role == "tp":
         out["fp32"] = trainer_fit(ours(2), 2, 3, save=args.root / "tp-ckpt")
         out["bf16"] = trainer_fit(ours(2), 2, 4, precision="bf16-mixed")
@@ -219,10 +225,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def parallelize(module: nn.Module, mesh: Any) -> nn.Module:
             return apply_plan(module, mesh["tensor_parallel"])  # type: ignore[arg-type]
 
-        fabric_strategy = lightning_shard.fabric.ShardStrategy(
-            auto_wrap_policy={Block}, tensor_parallel_size=2, parallelize_fn=parallelize
-        )
-        out["fabric"] = fabric_fit(fabric_strategy, 2)
+        def fabric_strategy() -> lightning_shard.fabric.ShardStrategy:
+            return lightning_shard.fabric.ShardStrategy(
+                auto_wrap_policy={Block}, tensor_parallel_size=2, parallelize_fn=parallelize
+            )
+
+        out["fabric"] = fabric_fit(fabric_strategy(), 2)
+        out["fabric_meta"] = fabric_fit(fabric_strategy(), 2, empty_init=True)
     else:
         tp = args.tensor_parallel_size
         data_parallel = args.devices // tp
