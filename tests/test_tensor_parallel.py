@@ -47,17 +47,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_two_by_two_trains_as_ddp_on_two_ranks_and_as_model_parallel_strategy(runs: Path) -> None:
     """Trainer (our GPT, fp32 with gradient clipping; Hugging Face Llama with its config's plan) and Fabric
-    (``parallelize_fn``): the losses DDP has on two ranks with the same global batch, on every rank. Fabric with the
-    model built on the meta device (``init_module(empty_init=True)``): the losses of the same job without the plan
-    on two ranks. Lightning's ModelParallelStrategy + ``fully_shard`` with the same plan has ours without clipping
-    (it cannot clip this model)."""
+    (``parallelize_fn``): the losses DDP has on two ranks with the same global batch, on every rank. Both with the
+    model built on the meta device (``torch.device("meta")`` in ``configure_model``, Fabric's
+    ``init_module(empty_init=True)``): the losses of the same job without the plan on two ranks. Lightning's
+    ModelParallelStrategy + ``fully_shard`` with the same plan has ours without clipping (it cannot clip this
+    model)."""
     ddp = _losses(runs, "reference", 2)[0]
     for rank, ours in enumerate(_losses(runs, "tp", 4)):
         assert ours["created"], "the process group existed before the strategy ran: not a fresh process"
         torch.testing.assert_close(ours["fp32"], ddp["fp32"][:3], msg=f"fp32, rank {rank}")
         torch.testing.assert_close(ours["llama"], ddp["llama"], msg=f"Llama, rank {rank}")
         torch.testing.assert_close(ours["fabric"], ddp["fabric"], msg=f"Fabric, rank {rank}")
-        torch.testing.assert_close(ours["fabric_meta"], ddp["fabric_meta"], msg=f"Fabric from the meta device, {rank}")
+        for meta in ("trainer_meta", "fabric_meta"):
+            torch.testing.assert_close(ours[meta], ddp[meta], msg=f"{meta}: built on the meta device, rank {rank}")
         torch.testing.assert_close(ours["model_parallel"], ours["unclipped"], msg=f"ModelParallelStrategy, rank {rank}")
 
 

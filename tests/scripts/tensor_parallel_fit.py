@@ -7,18 +7,20 @@
         --resume /tmp/tp/tp-ckpt --steps 6 --name tp1 --root /tmp/tp
 
 ``reference`` (DDP): our GPT for 8 steps in fp32 and 4 in bf16-mixed (Trainer), 4 steps in Fabric, Hugging Face Llama
-for 3 steps; Fabric with ShardStrategy and the model built on the meta device (``fabric_meta``). ``tp``
-(ShardStrategy, ``tensor_parallel_size=2``; each LightningModule applies its plan on
+for 3 steps; the Trainer and Fabric with ShardStrategy and the model built on the meta device (``trainer_meta``,
+``fabric_meta``). ``tp`` (ShardStrategy, ``tensor_parallel_size=2``; each LightningModule applies its plan on
 ``self.device_mesh["tensor_parallel"]`` in ``configure_model``, as under ModelParallelStrategy without
 ``fully_shard``): the same fits (fp32 for 3 steps, then a checkpoint to ``<root>/tp-ckpt``), Fabric with
-``parallelize_fn`` (also with the model built on the meta device, ``fabric_meta``), Llama with the plan its config
-carries, and Lightning's ModelParallelStrategy + ``fully_shard`` with the same plan for 3 steps. ``resume``: our GPT
-resumed from ``--resume`` at the given sizes up to ``--steps``, optionally saving ``--save``. Every rank writes
-``<root>/<name>-<rank>.pt``: the losses of each fit, each the mean over the global batch (what every rank logs).
+``parallelize_fn``, both also with the model built on the meta device (``trainer_meta``, ``fabric_meta``), Llama with
+the plan its config carries, and Lightning's ModelParallelStrategy + ``fully_shard`` with the same plan for 3 steps.
+``resume``: our GPT resumed from ``--resume`` at the given sizes up to ``--steps``, optionally saving ``--save``.
+Every rank writes ``<root>/<name>-<rank>.pt``: the losses of each fit, each the mean over the global batch (what every
+rank logs).
 """
 
 import argparse
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -102,15 +104,16 @@ class LitModel(L.LightningModule):
     """Our GPT or Hugging Face Llama; with a ``device_mesh`` of tensor-parallel size > 1 its plan is applied (and
     ``fully_shard`` too under Lightning's ModelParallelStrategy)."""
 
-    def __init__(self, kind: str = "gpt", fully_shard: bool = False) -> None:
+    def __init__(self, kind: str = "gpt", fully_shard: bool = False, meta: bool = False) -> None:
         super().__init__()
-        self.kind, self.fully_shard = kind, fully_shard
+        self.kind, self.fully_shard, self.meta = kind, fully_shard, meta
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
             return
-        self.model = GPT() if self.kind == "gpt" else llama()
+        with torch.device("meta") if self.meta else nullcontext():
+            self.model = GPT() if self.kind == "gpt" else llama()
         mesh = self._device_mesh
         if mesh is None or mesh["tensor_parallel"].size() == 1:
             return
@@ -157,9 +160,9 @@ def dataset() -> TensorDataset:
 
 def trainer_fit(strategy: Any, data_parallel: int, steps: int, kind: str = "gpt", precision: str = "32-true",
                 resume: Path | None = None, save: Path | None = None, fully_shard: bool = False,
-                clip: float | None = 0.5) -> list[float]:
+                clip: float | None = 0.5, meta: bool = False) -> list[float]:
     L.seed_everything(0, verbose=False)
-    module = LitModel(kind, fully_shard)
+    module = LitModel(kind, fully_shard, meta)
     trainer = L.Trainer(
         accelerator="cpu", devices=dist.get_world_size() if dist.is_initialized() else ARGS.devices,
         strategy=strategy, max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
@@ -208,12 +211,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["llama"] = trainer_fit("ddp", 2, 3, kind="llama")
         out["fabric"] = fabric_fit("ddp", 2)
         # Built on the meta device: the strategy initialises it (reset_parameters()), whatever the sizes.
+        out["trainer_meta"] = trainer_fit(ours(1), 2, 3, meta=True)
         meta = lightning_shard.fabric.ShardStrategy(auto_wrap_policy={Block})
         out["fabric_meta"] = fabric_fit(meta, 2, empty_init=True)
     elif args.role == "tp":
         out["fp32"] = trainer_fit(ours(2), 2, 3, save=args.root / "tp-ckpt")
         out["bf16"] = trainer_fit(ours(2), 2, 4, precision="bf16-mixed")
         out["llama"] = trainer_fit(ours(2, "llama"), 2, 3, kind="llama")
+        out["trainer_meta"] = trainer_fit(ours(2), 2, 3, meta=True)
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         # Unclipped: ModelParallelStrategy cannot clip a model whose parameters lie on two meshes (torch's
