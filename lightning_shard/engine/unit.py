@@ -455,7 +455,6 @@ class ShardUnit:
         device is materialised in its global shape (see [Note: meta-device DTensor parameters] in
         tensor_parallel.py)."""
         originals = {id(p): p.unsharded for p in self.params}
-        tensor_parallel = any(p.tensor_parallel is not None and full[id(p)].is_meta for p in self.params)
         with torch.no_grad():
             values: list[Tensor] = []
             for p in self.params:  # full-size tensors in the parameter dtype, one unit at a time
@@ -474,19 +473,16 @@ class ShardUnit:
             # (the embedding, not the LM head registered after it).
             for m in reversed(modules):
                 run_initializer(m, device)
-            # A meta-built tensor-parallel parameter, materialised whole, agrees with global rank 0's (as do the
-            # plain parameters of its unit); a block the plan gave agrees within its column.
+            # A whole tensor (a plain parameter, or a meta-built tensor-parallel one materialised whole) agrees with
+            # global rank 0's; a block the plan gave agrees within its column.
+            whole = [p.tensor_parallel is None or full[id(p)].is_meta for p in self.params]
             groups: dict[ProcessGroup | None, list[int]] = {}
-            for i, p in enumerate(self.params):
-                given_block = p.tensor_parallel is not None and not full[id(p)].is_meta
-                world = tensor_parallel and not given_block
-                groups.setdefault(None if world else self.mesh.data_parallel_group, []).append(i)
+            for i, is_whole in enumerate(whole):
+                groups.setdefault(None if is_whole else self.mesh.data_parallel_group, []).append(i)
             for group, indices in groups.items():
                 for i, value in zip(indices, values_of_rank0([values[i] for i in indices], device, group)):
-                    p = self.params[i]
-                    if p.tensor_parallel is not None and full[id(p)].is_meta:
-                        value = p.tensor_parallel.local_block(value)
-                    p.copy_rows_from_full(value)
+                    layout = self.params[i].tensor_parallel
+                    self.params[i].copy_rows_from_full(layout.local_block(value) if layout and whole[i] else value)
             for p in self.params:
                 p.unsharded = originals[id(p)]
         self.state = UnitState.UNSHARDED
