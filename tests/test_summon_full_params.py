@@ -382,7 +382,9 @@ def refused_uses(rank: int, world_size: int) -> dict[str, str]:
     unsharded = GainGPT()
     before = dict(unsharded.named_parameters())
     with summon_full_params(unsharded, writeback=True):  # nothing of it is sharded: FSDP's no-op
-        messages["unsharded"] = "same" if dict(unsharded.named_parameters()) == before else "changed"
+        same = all(p is before[n] for n, p in unsharded.named_parameters())
+    same = same and all(p is before[n] for n, p in unsharded.named_parameters())
+    messages["unsharded"] = "same" if same else "changed"
     try:
         with summon_full_params(pair.model, writeback="yes"):  # type: ignore[arg-type]
             pass
