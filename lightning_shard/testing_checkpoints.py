@@ -15,15 +15,16 @@ whole]), the trainer state and the index. It runs the save's own code for everyt
 save. Memory stays at the model (each rank's rows are views of the full tensors).
 
 ``simulated_index`` builds, without any tensor or file, the index a save of a model of given parameter shapes would
-write at a world size: how big it is, against the limit a load reads (``MAX_JSON_BYTES``).
+write at a world size: how big it is, against the limit a load reads (``MAX_JSON_BYTES``). ``reseal_index`` edits a
+checkpoint's index and seals it again, for tests of the checks behind the seal.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,15 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError, shard_file_name
+from lightning_shard.checkpoint.format import (
+    FORMAT_VERSION,
+    INDEX_FILE,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    CheckpointError,
+    new_save_id,
+    shard_file_name,
+)
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.checkpoint.io.files import CheckpointFiles
 from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_index, encode_index
@@ -56,11 +65,12 @@ def simulate_save(
     world_size: int,
     optimizers: Sequence[Optimizer] = (),
     values: Mapping[str, Any] | None = None,
+    save_id: str | None = None,
 ) -> Path:
     """Write the checkpoint directory ``world_size`` FULL_SHARD ranks would write for ``module`` (a plain module
     holding full weights), the state of ``optimizers`` (built on its parameters) and ``values``, at ``path``
-    (replaced if it is a checkpoint). A 0-dim parameter must have no tensor optimizer state (its row-split state
-    cannot be told from scalar state here: refused)."""
+    (replaced if it is a checkpoint), as the save ``save_id`` (a new id when None). A 0-dim parameter must have no
+    tensor optimizer state (its row-split state cannot be told from scalar state here: refused)."""
     path = Path(path)
     refuse_to_replace_other_data(path)
     params, ties = _parameters(module)
@@ -72,19 +82,20 @@ def simulate_save(
     _refuse_optimizer_state_of_0_dim_parameters(params, plans)
     optim = [(name, full_of(pid, params), value) for _, tensors in plans for name, pid, value in tensors]
 
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    save_id = save_id or new_save_id()
+    tmp = path.parent / f".{path.name}.tmp-{save_id}"
     tmp.mkdir(parents=True)
     records: list[FileRecord] = []
     for shard in range(world_size):
         local = _shard_tensors(shard, world_size, params, optim, buffers)
-        records += write_shard_file(tmp / shard_file_name(shard, world_size), shard, local)
+        records += write_shard_file(tmp / shard_file_name(shard, world_size), shard, local, save_id)
     tensors: dict[str, Tensor] = {}
     records += write_trainer_state(tmp, to_json_tree(dict(values or {}), tensors), tensors)
     contents = saved_tensors([(fqn, tuple(p.shape), p.dtype) for fqn, p in params], buffers,
                              [(name, tuple(full.shape) if full is not None else None, value)
                               for name, full, value in optim], world_size)
     head = index_head(StateDictType.SHARDED, world_size, (1, world_size), ShardingStrategy.FULL_SHARD.value, ties,
-                      [meta for meta, _ in plans])
+                      [meta for meta, _ in plans], save_id)
     commit(tmp, path, encode_index(build_index(head, contents, records)))
     return path
 
@@ -172,12 +183,13 @@ def simulated_index(
     for key, shard in owners.items():
         in_file[shard][key] = key
     digest = hashlib.sha256(b"").hexdigest()
-    records = [FileRecord(shard_file_name(s, world_size), 10**11, digest, s, in_file[s]) for s in range(world_size)]
+    records = [FileRecord(shard_file_name(s, world_size), 10**11, digest, s, in_file[s], header_sha256=digest)
+               for s in range(world_size)]
     records += [FileRecord(name, 10**6, digest, None) for name in ("trainer_state.json", "trainer_state.safetensors")]
     options = {"lr": 1e-4, "betas": {"__tuple__": [0.9, 0.95]}, "eps": 1e-8, "weight_decay": 0.1}
     optimizers = [{"param_groups": [{"params": list(param_shapes), "options": options}], "values": {}}]
     head = index_head(StateDictType.SHARDED, world_size, (1, world_size), ShardingStrategy.FULL_SHARD.value, {},
-                      optimizers)
+                      optimizers, new_save_id())
     if not param_shapes:
         raise CheckpointError("simulated_index needs at least one parameter.")
     return encode_index(build_index(head, tensors, records))
@@ -193,11 +205,28 @@ def shard_files_read() -> Iterator[list[CheckpointFiles]]:
 
     def remembered(self: CheckpointFiles, *args: Any, **kwargs: Any) -> None:
         real(self, *args, **kwargs)
-        if self.checksums_in_headers:  # a checkpoint's shard files, not a trainer state's or a model file's
-            made.append(self)
+        made.append(self)
 
     CheckpointFiles.__init__ = remembered  # type: ignore[method-assign]
     try:
         yield made
     finally:
         CheckpointFiles.__init__ = real  # type: ignore[method-assign]
+        # a checkpoint's shard files: the views that read headers, not a trainer state's or a model file's
+        made[:] = [files for files in made if files.checksums_in_headers and files.headers_read]
+
+
+def reseal_index(directory: str | Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``edit`` to the index of the checkpoint at ``directory`` and seal it again: for tests of the checks a
+    sealed index would otherwise stop first (see [Note: what a load verifies]). Nothing else is rewritten."""
+    path = Path(directory) / INDEX_FILE
+    index = json.loads(path.read_text())
+    edit(index)
+    path.write_bytes(encode_index(index) if index.get("version") == FORMAT_VERSION else json.dumps(index).encode())
+
+
+def header_digest(path: str | Path) -> str:
+    """The digest a sealed index records of the safetensors file ``path``: the SHA-256 of its 8 bytes and header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        return hashlib.sha256(head + f.read(int.from_bytes(head, "little"))).hexdigest()

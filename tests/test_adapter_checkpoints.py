@@ -29,6 +29,7 @@ from lightning_shard import GlobalBatchLoader, ShardStrategy, load_safetensors_i
 from lightning_shard.checkpoint.io.index import read_index
 from lightning_shard.cli import main
 from lightning_shard.testing import RankFailure, run_on_ranks
+from lightning_shard.testing_checkpoints import reseal_index
 from tests.test_export import PROBE, gpt2_config
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True, "lora_dropout": 0.0}
@@ -198,9 +199,7 @@ def test_a_checkpoint_without_the_record_exports_the_same_adapter_with_adapter_c
     recorded, ckpt = tmp_path / "recorded", tmp_path / "unrecorded.ckpt"
     assert main(["export", str(checkpoint_at(runs, STEPS)), str(recorded), "--format", "peft"]) == 0
     shutil.copytree(checkpoint_at(runs, STEPS), ckpt)
-    index = json.loads((ckpt / "index.json").read_text())
-    del index["adapters"]
-    (ckpt / "index.json").write_text(json.dumps(index))
+    reseal_index(ckpt, lambda index: index.pop("adapters"))
     assert main(["export", str(ckpt), str(tmp_path / "none"), "--format", "peft"]) == 2  # says what to give
     out = tmp_path / "given"
     assert main(["export", str(ckpt), str(out), "--format", "peft", "--prefix", "model",
@@ -211,9 +210,7 @@ def test_a_checkpoint_without_the_record_exports_the_same_adapter_with_adapter_c
 def test_an_adapter_only_checkpoint_is_not_exported_as_a_whole_model(runs: dict[str, Any], tmp_path: Path) -> None:
     ckpt = tmp_path / "unrecorded.ckpt"
     shutil.copytree(checkpoint_at(runs, STEPS), ckpt)
-    index = json.loads((ckpt / "index.json").read_text())
-    del index["adapters"]
-    (ckpt / "index.json").write_text(json.dumps(index))
+    reseal_index(ckpt, lambda index: index.pop("adapters"))
     for fmt in ("hf", "dcp"):
         assert main(["export", str(ckpt), str(tmp_path / fmt), "--format", fmt]) == 2
         assert not (tmp_path / fmt).exists()

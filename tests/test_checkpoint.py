@@ -20,6 +20,7 @@ from lightning_shard.checkpoint import save_checkpoint
 from lightning_shard.checkpoint.format import INDEX_FILE
 from lightning_shard.engine import shard_model
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
+from lightning_shard.testing_checkpoints import reseal_index
 from tests.checkpoint_fits import fit, global_losses
 from tests.fits import trainer_for
 from tests.models import TinyGPT
@@ -169,27 +170,25 @@ def test_missing_file_and_unknown_version_are_named(tmp_path: Path, saved: dict)
     (missing / "shard-00000-of-00002.safetensors").unlink()
     _fails_on_every_rank(missing, tmp_path / "o1", r"shard-00000-of-00002\.safetensors is missing")
     future = _copy(saved["ckpt"], tmp_path / "future")
-    index = json.loads((future / INDEX_FILE).read_text())
-    index["version"] = 99
-    (future / INDEX_FILE).write_text(json.dumps(index))
+    reseal_index(future, lambda index: index.update(version=99))
     _fails_on_every_rank(future, tmp_path / "o2", "format version 99")
 
 
 def test_shape_mismatch_names_the_keys(tmp_path: Path, saved: dict) -> None:
     ckpt = _copy(saved["ckpt"], tmp_path / "other")
-    index = json.loads((ckpt / INDEX_FILE).read_text())
-    index["tensors"]["model/model.wte.weight"]["shape"] = [40, 16]
-    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    reseal_index(ckpt, lambda index: index["tensors"]["model/model.wte.weight"].update(shape=[40, 16]))
     _fails_on_every_rank(ckpt, tmp_path / "o", r"model\.wte\.weight: checkpoint \(40, 16\), model \(37, 16\)")
 
 
 def test_another_models_checkpoint_is_named_so_without_suggesting_strict_loading(tmp_path: Path, saved: dict) -> None:
     """Keys that differ and keys in common that differ in shape: strict_loading = False would fail too."""
     ckpt = _copy(saved["ckpt"], tmp_path / "other")
-    index = json.loads((ckpt / INDEX_FILE).read_text())
-    index["tensors"]["model/model.head.weight"] = index["tensors"].pop("model/model.ln_f.weight")
-    index["tensors"]["model/model.wte.weight"]["shape"] = [40, 16]
-    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+
+    def edit(index: dict) -> None:
+        index["tensors"]["model/model.head.weight"] = index["tensors"].pop("model/model.ln_f.weight")
+        index["tensors"]["model/model.wte.weight"]["shape"] = [40, 16]
+
+    reseal_index(ckpt, edit)
     pattern = (
         r"missing keys \[model\.ln_f\.weight\], unexpected keys \[model\.head\.weight\]\. Of the keys both have, 1"
         r" differ in shape \(\[model\.wte\.weight: checkpoint \(40, 16\).*it is a checkpoint of another model"

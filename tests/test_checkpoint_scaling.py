@@ -37,7 +37,7 @@ from lightning_shard.checkpoint.io.layout import shard_rows
 from lightning_shard.checkpoint.io.reader import RowReads, read_rows
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.testing import run_on_ranks
-from lightning_shard.testing_checkpoints import simulate_save, simulated_index
+from lightning_shard.testing_checkpoints import header_digest, reseal_index, simulate_save, simulated_index
 from tests.checkpoint_scaling_fits import (
     FIXTURE_V1,
     FIXTURE_V2,
@@ -124,8 +124,9 @@ def test_a_simulated_save_writes_what_a_real_save_writes(
     for p, state in optimizer.state.items():
         for key in state:
             state[key] = saved["optimizer"][f"0/{names[id(p)]}/{key}"].clone()
-    simulate_save(tmp_path / "simulated", model, 2, [optimizer], {"step": 1})
     real, simulated = two_and_eight["root"] / "w2", tmp_path / "simulated"
+    save_id = json.loads((real / "index.json").read_text())["save_id"]
+    simulate_save(simulated, model, 2, [optimizer], {"step": 1}, save_id)
     assert sorted(p.name for p in simulated.iterdir()) == sorted(p.name for p in real.iterdir())
     for path in real.iterdir():
         assert (simulated / path.name).read_bytes() == path.read_bytes(), path.name
@@ -382,7 +383,8 @@ def test_a_shard_file_records_the_crc32_of_each_block_of_its_data(tmp_path: Path
         length = struct.unpack("<Q", raw[:8])[0]
         assert raw[8:].startswith(b'{"__metadata__":{"crc32_blocks":"')  # first: found without parsing the JSON
         metadata, data = json.loads(raw[8 : 8 + length])["__metadata__"], raw[8 + length :]
-        assert set(metadata) == {"crc32_blocks", "crc32_block_bytes"}
+        assert set(metadata) == {"crc32_blocks", "crc32_block_bytes", "save_id"}
+        assert metadata["save_id"] == json.loads((ckpt / "index.json").read_text())["save_id"]
         assert int(metadata["crc32_block_bytes"]) == block_bytes
         blocks = [data[at : at + block_bytes] for at in range(0, len(data), block_bytes)]
         assert metadata["crc32_blocks"] == "".join(f"{zlib.crc32(block):08x}" for block in blocks)
@@ -431,6 +433,8 @@ def test_damaged_checksums_in_a_header_are_refused_naming_the_file(tmp_path: Pat
     _, ckpt = _linear_16(tmp_path)
     shard = ckpt / shard_file_name(9, 16)
     _edit_header(shard, lambda header: edit(header["__metadata__"]))
+    # the index vouches for the edited header: the checks beneath the seal (all that guards versions 2 and 3) refuse it
+    reseal_index(ckpt, lambda index: index["files"][shard.name].update(header_sha256=header_digest(shard)))
     with pytest.raises(CheckpointError, match=rf"{shard.name}.*{message}"):
         _read_all(ckpt)
 
@@ -459,7 +463,7 @@ def _flip_in(ckpt: Path, shard: int, key: str, at: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("version", [2, 3, "3, small tensors whole"])
+@pytest.mark.parametrize("version", [2, 4, "4, small tensors whole"])
 @pytest.mark.parametrize(("shard", "key", "at"), [
     (0, "model/mix.weight", 13), (0, "optimizer/0/mix.bias/exp_avg_sq", 5), (1, "model/embed.weight", 2)],
     ids=["a weight, in the row a third rank reads alone", "an optimizer moment of a bias",
@@ -474,8 +478,8 @@ def test_a_flipped_byte_is_refused_at_any_world_size_and_the_model_and_optimizer
     if version == 2:
         shutil.copytree(FIXTURE_V2, ckpt)
     else:  # today's writer, splitting every tensor or by its rule (this model's tensors are all stored whole)
-        run_on_ranks(with_layout, 2, SPLIT_ALL if version == 3 else {}, write_version_1_fixture, str(ckpt))
-    assert json.loads((ckpt / INDEX_FILE).read_text())["version"] == (2 if version == 2 else 3)
+        run_on_ranks(with_layout, 2, SPLIT_ALL if version == 4 else {}, write_version_1_fixture, str(ckpt))
+    assert json.loads((ckpt / INDEX_FILE).read_text())["version"] == (2 if version == 2 else 4)
     damaged = _flip_in(ckpt, shard, key, at)
     for world_size in (1, 2, 3):
         for rank, result in enumerate(run_on_ranks(load_refused, world_size, str(ckpt))):
@@ -518,9 +522,8 @@ def test_a_shard_file_without_the_checksum_of_a_piece_is_refused(tmp_path: Path)
     ckpt = simulate_save(tmp_path / "ckpt", model, 2, [optimizer])
     shard = ckpt / shard_file_name(1, 2)
     save_file(load_file(str(shard)), str(shard))  # the same tensors, no CRC-32s in the header
-    index = json.loads((ckpt / INDEX_FILE).read_text())
-    index["files"][shard.name]["size"] = shard.stat().st_size
-    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    reseal_index(ckpt, lambda index: index["files"][shard.name].update(
+        size=shard.stat().st_size, header_sha256=header_digest(shard)))
     with pytest.raises(CheckpointError, match=rf"{shard.name} records no checksum of '.*': it is damaged"):
         consolidate(ckpt, tmp_path / "m.safetensors")
 

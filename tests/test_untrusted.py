@@ -22,8 +22,10 @@ import torch
 
 from lightning_shard import consolidate, inspect
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
+from lightning_shard.checkpoint.io.writer import sha256_file
 from lightning_shard.checkpoint.load.load import _safetensors_tensors
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
+from lightning_shard.testing_checkpoints import header_digest, reseal_index
 from tests.checkpoint_fits import fit
 from tests.checkpoint_scaling_fits import FIXTURE_V1, with_layout
 
@@ -46,9 +48,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _edit_index(ckpt: Path, edit: Any) -> None:
-    index = json.loads((ckpt / INDEX_FILE).read_text())
-    edit(index)
-    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    reseal_index(ckpt, edit)
 
 
 def _move_shard_out(ckpt: Path, outside: Path, name: str) -> None:
@@ -222,7 +222,8 @@ def test_header_claiming_more_bytes_than_the_file_holds_is_refused(tmp_path: Pat
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
     shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length :])
-    _edit_index(ckpt, lambda index: index["files"][SHARD1].update(size=shard.stat().st_size))
+    _edit_index(ckpt, lambda index: index["files"][SHARD1].update(
+        size=shard.stat().st_size, header_sha256=header_digest(shard)))
     with pytest.raises(CheckpointError, match=rf"{re.escape(SHARD1)}: tensor '{re.escape(name)}' .*claims bytes"):
         consolidate(ckpt, tmp_path / "m.safetensors")
 
@@ -301,8 +302,8 @@ def test_damaged_optimizer_options_and_trainer_state_are_named(tmp_path: Path, s
     state = json.loads((ckpt / "trainer_state.json").read_text())
     (ckpt / "trainer_state.json").write_text(json.dumps({**state, "deep": nested}))
     _edit_index(ckpt, lambda index: index["files"]["trainer_state.json"].update(
-        size=(ckpt / "trainer_state.json").stat().st_size))
-    _refused_on_every_rank(ckpt, tmp_path / "out2", r"Cannot read the trainer state in .*RecursionError")
+        size=(ckpt / "trainer_state.json").stat().st_size, sha256=sha256_file(ckpt / "trainer_state.json")))
+    _refused_on_every_rank(ckpt, tmp_path / "out2", r"trainer state in .*trainer_state\.json .*RecursionError")
 
 
 @pytest.mark.parametrize("special", ["pipe", "link to /dev/zero"])

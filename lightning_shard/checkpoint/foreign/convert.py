@@ -35,7 +35,15 @@ from lightning_shard.checkpoint.foreign.foreign import (
 )
 from lightning_shard.checkpoint.foreign.foreign_load import per_element_states
 from lightning_shard.checkpoint.foreign.sources import CheckpointKind, detect, read_foreign
-from lightning_shard.checkpoint.format import FORMAT_NAME, MODEL_PREFIX, OPTIMIZER_PREFIX, CheckpointError, dtype_name
+from lightning_shard.checkpoint.format import (
+    FORMAT_NAME,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    CheckpointError,
+    dtype_name,
+    new_save_id,
+)
+from lightning_shard.checkpoint.format.safetensors_header import SAVE_ID_METADATA
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_index, encode_index
 from lightning_shard.checkpoint.io.storage import local_only
@@ -184,18 +192,19 @@ def _optimizers_in(config: Any) -> list[Optimizer]:
 def _write(foreign: ForeignCheckpoint, named: list[_NamedOptimizer], directory: Path) -> bytes:
     """Model, optimizers and trainer state into ``directory``, one tensor in memory at a time, as a full save writes
     them; return the index."""
+    save_id = new_save_id()
     model = [(MODEL_PREFIX + key, t) for key, t in foreign.model.items()]
-    records = _stream(directory / MODEL_FILE, model, {"ties": json.dumps(foreign.ties)})
+    records = _stream(directory / MODEL_FILE, model, {"ties": json.dumps(foreign.ties), SAVE_ID_METADATA: save_id})
     optimizers, tensors = [], []
     for i, (saved, names) in enumerate(zip(foreign.optimizers, named)):
         meta, stored = _optimizer(i, saved, names, foreign.where)
         optimizers.append(meta)
         tensors += stored
     if tensors:
-        records += _stream(directory / OPTIMIZER_FILE, tensors, {})
+        records += _stream(directory / OPTIMIZER_FILE, tensors, {SAVE_ID_METADATA: save_id})
     trainer_tensors: dict[str, Tensor] = {}
     records += write_trainer_state(directory, to_json_tree(foreign.values, trainer_tensors), trainer_tensors)
-    head = index_head(StateDictType.FULL, 1, (1, 1), "FULL_SHARD", foreign.ties, optimizers)
+    head = index_head(StateDictType.FULL, 1, (1, 1), "FULL_SHARD", foreign.ties, optimizers, save_id)
     saved_tensors = [SavedTensor(key, t.shape, t.dtype, split=False) for key, t in model + tensors]
     return encode_index(build_index(head, saved_tensors, records))
 
@@ -250,4 +259,5 @@ def _stream(path: Path, tensors: list[tuple[str, ForeignTensor]], metadata: dict
         writer.close_quietly()
         raise
     writer.close()
-    return [FileRecord(path.name, path.stat().st_size, sha256_file(path), None, in_file)]
+    return [FileRecord(path.name, path.stat().st_size, sha256_file(path), None, in_file,
+                       header_sha256=writer.header_sha256)]

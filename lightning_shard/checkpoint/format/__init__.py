@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,8 +35,9 @@ import torch
 from torch import Tensor
 
 FORMAT_NAME = "lightning-shard-checkpoint"
-FORMAT_VERSION = 3  # what a save writes: its safetensors files checksum blocks of their data
-READABLE_VERSIONS = (1, 2, 3)  # 1 listed every piece in the index; 1-2 checksum each tensor (docs/checkpoint_format.md)
+FORMAT_VERSION = 4  # what a save writes: a sealed index that vouches for every file (see [Note: what a load verifies])
+READABLE_VERSIONS = (1, 2, 3, 4)  # 1 listed every piece; 1-2 checksum each tensor; 1-3 are not sealed (docs)
+SEALED_VERSION = 4  # the first version whose index is sealed and records each data file's header digest
 INDEX_FILE = "index.json"
 TRAINER_STATE_JSON = "trainer_state.json"
 TRAINER_STATE_TENSORS = "trainer_state.safetensors"
@@ -88,7 +90,12 @@ def member_named(names: Iterable[str], base: str) -> str:
     return found[0] if len(found) == 1 else base
 
 
-SAVE_ID = re.compile(r"[0-9a-f]{12}")  # the id a save to object storage gives its files: "<save-id>.<name>"
+SAVE_ID = re.compile(r"[0-9a-f]{12}")  # each save's id: in its index and data files; on object storage in their names
+
+
+def new_save_id() -> str:
+    """A new save's id: 12 random hex digits (``SAVE_ID``)."""
+    return uuid.uuid4().hex[:12]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

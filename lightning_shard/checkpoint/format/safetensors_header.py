@@ -24,6 +24,7 @@ BLOCK_CRC32_METADATA = "crc32_blocks"  # the CRC-32 of each block of the data se
 BLOCK_BYTES_METADATA = "crc32_block_bytes"  # the blocks' size, in decimal
 CRC32_METADATA = "crc32"  # versions 1-2: each tensor's CRC-32, 8 hex digits, in the order of their data
 RUNNING_CRC32_METADATA = "crc32_running"  # version 2: not read (its "crc32" checks every tensor)
+SAVE_ID_METADATA = "save_id"  # version 4: the save the file belongs to, as its index records it
 _DIGITS_KEYS = (BLOCK_CRC32_METADATA, CRC32_METADATA, RUNNING_CRC32_METADATA)  # in the order writers put them first
 BLOCK_BYTES = 64 * 2**10  # what a save writes: a reader of a part of a piece reads at most this much more each side
 MAX_BLOCK_BYTES = 64 * 2**20  # a file claiming larger blocks is refused: a reader holds a block in memory
@@ -174,6 +175,17 @@ def parse_header(text: bytes, path: Path | str, size: int, like: TensorTable | N
     else:
         table = _checked_table(path, header, data_bytes, _block_bytes(path, metadata), text, digits)
     return _header(8 + len(text), table, digits, path)
+
+
+def recorded_save_id(text: bytes) -> str | None:
+    """The save id the header ``text`` records in its metadata, if it is valid JSON and records one (only read to
+    explain a header its index does not vouch for)."""
+    try:
+        metadata = json.loads(text).get("__metadata__") or {}
+        save_id = metadata.get(SAVE_ID_METADATA)
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return save_id if isinstance(save_id, str) else None
 
 
 def _header(data_start: int, table: TensorTable, digits: dict[str, Any], path: Path | str) -> SafetensorsHeader:

@@ -6,6 +6,7 @@ See [Note: checkpoints are untrusted] in ``format/__init__.py``.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -14,12 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from lightning_shard.checkpoint import format as checkpoint_format
-from lightning_shard.checkpoint.format import CheckpointError, member_path, refuse_unplain_name
+from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError, member_path, refuse_unplain_name
 from lightning_shard.checkpoint.format.safetensors_header import (
     SafetensorsHeader,
     TensorTable,
     header_length,
     parse_header,
+    recorded_save_id,
 )
 
 if TYPE_CHECKING:
@@ -36,15 +38,18 @@ class CheckpointFiles:
     of the size the index records (``sizes``; ``None`` for files no index describes, such as a Hugging Face model),
     and its safetensors header is read once and kept for the rest of the load. ``headers_read`` lists the files
     whose headers were read, in order: what this process touched. ``checksums_in_headers``: every safetensors file
-    of the checkpoint records checksums (versions 2 and 3); a file that records none is refused.
+    of the checkpoint records checksums (versions 2 to 4); a file that records none is refused. ``seal``: what a
+    sealed index (version 4) vouches for, checked as each file is read (see [Note: what a load verifies]).
     """
 
     def __init__(
-        self, directory: Location, sizes: Mapping[str, int] | None, checksums_in_headers: bool = False
+        self, directory: Location, sizes: Mapping[str, int] | None, checksums_in_headers: bool = False,
+        seal: FileSeal | None = None,
     ) -> None:
         self.directory = directory
         self.sizes = sizes
         self.checksums_in_headers = checksums_in_headers
+        self.seal = seal
         self.headers_read: list[str] = []
         self.pieces_checked = 0  # pieces checked against their headers (by ``RowReads``)
         self._headers: dict[str, SafetensorsHeader] = {}
@@ -90,7 +95,10 @@ class CheckpointFiles:
     def _check_size(self, name: str, path: Any, size: int) -> None:
         expected = self.sizes.get(name) if self.sizes is not None else size
         if expected is None:
-            raise CheckpointError(f"Internal error: {name} is not a file of the checkpoint in {self.directory}.")
+            raise CheckpointError(
+                f"{self.directory / INDEX_FILE} does not list {name} in its 'files' table, yet the checkpoint needs it:"
+                " the index is damaged. Use another checkpoint, or save this one again."
+            )
         if size != expected:
             raise CheckpointError(
                 f"Checkpoint file {path} has {size} bytes but the index records {expected}: it is truncated or was"
@@ -116,9 +124,18 @@ class CheckpointFiles:
         return self.directory / name
 
     def read_all(self, name: str) -> bytes:
-        """The whole of ``name``, checked as ``open`` checks it."""
+        """The whole of ``name``, checked as ``open`` checks it and, in a sealed checkpoint, against the SHA-256 the
+        index records for it (the files a load reads whole: the trainer state)."""
         with self.open(name) as f:
-            return bytes(f.read())
+            data = bytes(f.read())
+        if self.seal is not None and hashlib.sha256(data).hexdigest() != self.seal.sha256.get(name):
+            raise CheckpointError(
+                f"Checkpoint file {self.directory / name} does not match the SHA-256 its index"
+                f" {self.seal.index_path} (save {self.seal.save_id}) records for it: the file was modified after the"
+                " save, or one of the two is a stale file left by another save. Use another checkpoint, or save this"
+                " one again."
+            )
+        return data
 
     def header(self, name: str) -> SafetensorsHeader:
         """The checked header of ``name``, read the first time it is asked for."""
@@ -131,11 +148,49 @@ class CheckpointFiles:
                 text = f.read(length)
                 while len(text) < length and (more := f.read(length - len(text))):
                     text += more
+            if self.seal is not None:
+                self.seal.check_header(name, path, text)
             header = parse_header(text, path, size, self._last_table)
             self._headers[name] = header
             self._last_table = header.table
             self.headers_read.append(name)
         return header
+
+
+class FileSeal:
+    """What a sealed index (version 4) records of its files, checked as a load reads them (see [Note: what a load
+    verifies] in ``io/index.py``): each file's SHA-256 (``sha256``, checked by ``read_all``), each data file's header
+    digest (``headers``: the SHA-256 of its first 8 bytes and its JSON header, which bind every tensor's name, dtype,
+    shape and offsets and the CRC-32s of its data) and the id of the save (``save_id``) that every data file's header
+    records too."""
+
+    def __init__(self, index_path: Path | MemberURL, save_id: str, files: Mapping[str, Mapping[str, Any]]) -> None:
+        self.index_path, self.save_id = index_path, save_id
+        self.sha256 = {name: info["sha256"] for name, info in files.items()}
+        self.headers = {name: info.get("header_sha256") for name, info in files.items()}
+
+    def check_header(self, name: str, path: Path | MemberURL | str, text: bytes) -> None:
+        """Refuse the header ``text`` of ``name`` unless it is the one the index records, saying why it is not."""
+        expected = self.headers.get(name)
+        if expected is None:
+            raise CheckpointError(
+                f"{self.index_path} records no header digest for {name}, which the load reads: the index is damaged."
+                " Use another checkpoint, or save this one again."
+            )
+        if hashlib.sha256(len(text).to_bytes(8, "little") + text).hexdigest() == expected:
+            return
+        save_id = recorded_save_id(text)
+        if save_id is not None and save_id != self.save_id:
+            raise CheckpointError(
+                f"Checkpoint file {path} belongs to another save (save {save_id}) than its index {self.index_path}"
+                f" (save {self.save_id}): one of them is a stale file left by an earlier save. Use another checkpoint,"
+                " or save this one again."
+            )
+        raise CheckpointError(
+            f"Checkpoint file {path} has a header (its tensors' names, dtypes, shapes, offsets and checksums) that"
+            f" differs from the one its index records: the file was modified after the save. Use another"
+            " checkpoint, or save this one again."
+        )
 
 
 def is_remote(directory: Location) -> bool:

@@ -9,6 +9,7 @@ never writes an index a load would refuse.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from lightning_shard.checkpoint.format import (
     INDEX_FILE,
     MODEL_PREFIX,
     READABLE_VERSIONS,
+    SAVE_ID,
+    SEALED_VERSION,
     CheckpointError,
     dtype_from_name,
     dtype_name,
@@ -32,7 +35,7 @@ from lightning_shard.checkpoint.format import (
     refuse_unplain_name,
 )
 from lightning_shard.checkpoint.format.adapters import ADAPTERS, check_adapters_record
-from lightning_shard.checkpoint.io.files import CheckpointFiles, read_json_member
+from lightning_shard.checkpoint.io.files import CheckpointFiles, FileSeal, read_json_member
 from lightning_shard.checkpoint.io.layout import (
     Listed,
     Piece,
@@ -48,6 +51,28 @@ LEFT_OUT = "left_out"  # model key -> fingerprint of each model tensor a save le
 SPLIT_BY_ROWS = "rows"  # a tensor entry's "split": its rows are spread over "shard_files" by the writer's rule
 SPLIT_BY_PIECES = "pieces"  # a tensor entry's "split": its "pieces" are listed ([Note: tensor-parallel checkpoints])
 TENSOR_PARALLEL_SIZE = "tensor_parallel_size"  # the head's tensor-parallel size of the writers (absent: 1)
+INDEX_SEAL = "index_sha256"  # version 4: the SHA-256 of the rest of the index (see [Note: what a load verifies])
+SAVE_ID_KEY = "save_id"  # version 4: the save's id, which each data file's header records too
+HEADER_DIGEST = "header_sha256"  # version 4, in a data file's 'files' entry: the SHA-256 of its 8 bytes and header
+
+
+# [Note: what a load verifies]
+# A load reads an index, the trainer state and parts of data files; each byte that decides what it produces is
+# covered by a check the load itself runs, at any world size and on any storage (version 4; docs/checkpoint_format.md):
+# - index.json is sealed: ``index_sha256`` is the SHA-256 of the rest of it, encoded canonically (sorted keys, no
+#   spaces), so every option, key, file entry, the order of ``shard_files`` and the mesh are checked, whatever the
+#   formatting. An index claiming an older version while carrying a seal is refused too.
+# - the files a load reads whole (trainer_state.json, trainer_state.safetensors) are checked against the SHA-256 the
+#   index records for each; they are small.
+# - a data file is read in parts (each rank reads its rows), so its SHA-256 cannot be checked by a load. Its header
+#   is: the index records the SHA-256 of its first 8 bytes and its JSON header, which holds every tensor's name, dtype,
+#   shape and offsets, the CRC-32 of each 64 KiB block of its data and the save's id. So a tensor renamed or moved in
+#   the header, a file of another save (even of equal size) and a block of data that changed are each refused when
+#   read: the header against the index, then each block against the header's CRC-32 (io/reader.py). Every byte of a
+#   data file is in its header or in a block; a rank checks the blocks it reads.
+# The checks cost a hash of the index and of each header a rank reads, and of the trainer state: a small part of
+# the load (docs/benchmarks.md). A load that fails a check raises before anything in the model, the optimizers or
+# the trainer changes (see [Note: a failed load changes nothing]). ``inspect`` runs the same checks on every file.
 
 
 # --------------------------------------------------------------------------------------------------
@@ -71,12 +96,30 @@ def read_index(directory: Location) -> dict[str, Any]:
     path = directory / INDEX_FILE
     index = read_json_member(directory, INDEX_FILE)
     _check_structure(path, index)
-    sizes = {name: info["size"] for name, info in index["files"].items()}
+    files = checkpoint_files(directory, index)
     if index["version"] == 1:
-        index["tensors"] = _version_1_tensors(path, index["tensors"], CheckpointFiles(directory, sizes))
+        index["tensors"] = _version_1_tensors(path, index["tensors"], files)
     else:
-        index["tensors"] = _tensors(path, index, CheckpointFiles(directory, sizes, checksums_in_headers=True))
+        index["tensors"] = _tensors(path, index, files)
     return index
+
+
+def checkpoint_files(directory: Location, index: dict[str, Any]) -> CheckpointFiles:
+    """The files of the checkpoint ``index`` (checked by ``read_index``) describes, as one load sees them: each of the
+    size the index records and, in a sealed index, checked against its digests as it is read."""
+    sizes = {name: info["size"] for name, info in index["files"].items()}
+    version = index["version"]
+    seal = None
+    if version >= SEALED_VERSION:
+        seal = FileSeal(directory / INDEX_FILE, index[SAVE_ID_KEY], index["files"])
+    return CheckpointFiles(directory, sizes, checksums_in_headers=version > 1, seal=seal)
+
+
+def index_seal(index: dict[str, Any]) -> str:
+    """The seal of ``index``: the SHA-256 of everything in it but the seal, encoded canonically (see [Note: what a
+    load verifies])."""
+    body = {key: value for key, value in index.items() if key != INDEX_SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def refuse_uncommitted(directory: RemoteDirectory) -> None:
@@ -114,11 +157,13 @@ def _check_structure(path: Path | MemberURL, index: Any) -> None:
         )
     if not is_count(version) or version not in READABLE_VERSIONS:
         raise _damaged(path, f"its format version is {version!r}, which no lightning_shard writes")
+    _check_seal(path, index)
     if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict):
         raise CheckpointError(f"{path} lacks its 'files' or 'tensors' table.")
     for name, info in index["files"].items():
         refuse_unplain_name(path.parent, name)
-        if not (isinstance(info, dict) and is_count(info.get("size")) and isinstance(info.get("sha256"), str)):
+        if not (isinstance(info, dict) and is_count(info.get("size")) and isinstance(info.get("sha256"), str)
+                and isinstance(info.get(HEADER_DIGEST, ""), str)):
             raise _damaged(path, f"the entry of {name!r} in 'files' needs a byte count 'size' and a string 'sha256'")
     mesh = index.get("mesh")
     if not is_count(index.get("world_size")) or not (
@@ -134,6 +179,25 @@ def _check_structure(path: Path | MemberURL, index: Any) -> None:
         raise _damaged(path, f"'{LEFT_OUT}' must map the model keys a save left out to their fingerprints")
     if ADAPTERS in index:
         check_adapters_record(path, index[ADAPTERS])
+
+
+def _check_seal(path: Path | MemberURL, index: dict[str, Any]) -> None:
+    """A sealed index (version 4) matches its seal and names its save; an older one carries no seal."""
+    if index["version"] < SEALED_VERSION:
+        if INDEX_SEAL in index or SAVE_ID_KEY in index:
+            raise _damaged(path, f"it claims format version {index['version']} but carries a version-4 seal")
+        return
+    seal = index.get(INDEX_SEAL)
+    if not isinstance(seal, str):
+        raise _damaged(path, f"its seal ('{INDEX_SEAL}') is missing")
+    if seal != index_seal(index):
+        raise CheckpointError(
+            f"{path} does not match its seal ('{INDEX_SEAL}', the SHA-256 of its contents): it was edited or damaged"
+            " after the save, so none of it can be trusted (options, tensors, files, their order). Use another"
+            " checkpoint, or save this one again."
+        )
+    if not (isinstance(index.get(SAVE_ID_KEY), str) and SAVE_ID.fullmatch(index[SAVE_ID_KEY])):
+        raise _damaged(path, f"its '{SAVE_ID_KEY}' is not the 12 hex digits a save writes")
 
 
 def _check_optimizers(path: Path | MemberURL, optimizers: Any) -> None:
@@ -300,6 +364,7 @@ class FileRecord:
     shard: int | None
     whole: dict[str, str] = field(default_factory=dict)
     pieces: dict[str, list[int]] = field(default_factory=dict)  # index key -> [first row, last row + 1] it holds
+    header_sha256: str | None = None  # of a data file (one a load reads in parts): see [Note: what a load verifies]
 
 
 def build_index(head: dict[str, Any], tensors: Sequence[SavedTensor], records: Sequence[FileRecord]) -> dict[str, Any]:
@@ -328,15 +393,25 @@ def build_index(head: dict[str, Any], tensors: Sequence[SavedTensor], records: S
         entries[t.key] = entry
     return {
         **head,
-        "files": {r.name: {"size": r.size, "sha256": r.sha256} for r in records},
+        "files": {r.name: _file_entry(r) for r in records},
         "shard_files": [r.name for r in records if r.shard is not None],
         "tensors": entries,
     }
 
 
+def _file_entry(record: FileRecord) -> dict[str, Any]:
+    entry: dict[str, Any] = {"size": record.size, "sha256": record.sha256}
+    if record.header_sha256 is not None:
+        entry[HEADER_DIGEST] = record.header_sha256
+    return entry
+
+
 def encode_index(index: dict[str, Any]) -> bytes:
-    """``index`` as the bytes of ``index.json``; refused (``CheckpointError``) above ``MAX_JSON_BYTES``, the limit
-    ``read_json_member`` applies on load (the one constant, read at each call)."""
+    """``index`` as the bytes of ``index.json``, sealed (see [Note: what a load verifies]); refused
+    (``CheckpointError``) above ``MAX_JSON_BYTES``, the limit ``read_json_member`` applies on load (the one constant,
+    read at each call)."""
+    index = {key: value for key, value in index.items() if key != INDEX_SEAL}
+    index[INDEX_SEAL] = index_seal(index)
     data = json.dumps(index, indent=1).encode()
     limit = checkpoint_format.MAX_JSON_BYTES
     if len(data) > limit:

@@ -73,6 +73,7 @@ class SafetensorsStreamWriter:
         self._file: BinaryIO = open(path, "wb", buffering=_WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed in close()
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
         self._header_bytes = len(encoded)
+        self.header_sha256 = _header_digest(encoded)  # final once ``close`` has filled in the checksums
         self._next = 0
 
     def _encoded_header(self) -> bytes:
@@ -116,5 +117,12 @@ class SafetensorsStreamWriter:
                 assert len(encoded) == self._header_bytes, "8 hex digits replace 8 zeros: the header keeps its size"
                 self._file.seek(8)
                 self._file.write(encoded)
+                self.header_sha256 = _header_digest(encoded)
         finally:
             self._file.close()
+
+
+def _header_digest(encoded: bytes) -> str:
+    """The digest a sealed index records of a data file: the SHA-256 of its first 8 bytes and its header (see [Note:
+    what a load verifies] in ``index.py``)."""
+    return hashlib.sha256(struct.pack("<Q", len(encoded)) + encoded).hexdigest()

@@ -33,8 +33,8 @@ from lightning_shard.checkpoint.format import (
 )
 from lightning_shard.checkpoint.format.trainer_state import from_json_tree
 from lightning_shard.checkpoint.io.agreement import agree
-from lightning_shard.checkpoint.io.files import CheckpointFiles, read_json_member
-from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors, model_ties, read_index
+from lightning_shard.checkpoint.io.files import CheckpointFiles
+from lightning_shard.checkpoint.io.index import LEFT_OUT, checkpoint_files, iter_index_tensors, model_ties, read_index
 from lightning_shard.checkpoint.io.layout import StoredTensor, Whole, require_complete
 from lightning_shard.checkpoint.io.reader import RowReads
 from lightning_shard.checkpoint.io.selection import expect_left_out
@@ -52,27 +52,40 @@ class LoadResult:
 
 
 def load_trainer_state(directory: Location) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Lightning's checkpoint dict without model and optimizer tensors, and the index. Never unpickles."""
-    from safetensors.torch import load, load_file
+    """Lightning's checkpoint dict without model and optimizer tensors, and the index. Never unpickles. Both files
+    are read whole and, in a sealed checkpoint, checked against their SHA-256 first (see [Note: what a load
+    verifies])."""
+    from safetensors.torch import load
 
     index = read_index(directory)
-    files = CheckpointFiles(directory, {name: info["size"] for name, info in index["files"].items()})
+    files = checkpoint_files(directory, index)
     json_name, tensors_name = (member_named(index["files"], n) for n in (TRAINER_STATE_JSON, TRAINER_STATE_TENSORS))
+    if index["files"].get(json_name, {}).get("size", 0) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{directory / json_name} is larger than {MAX_JSON_BYTES} bytes, which no checkpoint"
+                              " writes; not read.")
+    state_json = _parsed(directory / json_name, files.read_all(json_name), json.loads)
+    tensors = _parsed(directory / tensors_name, files.read_all(tensors_name), load)
     try:
-        files.check(json_name)
-        state_json = read_json_member(directory, json_name)
-        if isinstance(directory, Path):
-            tensors = load_file(str(files.check(tensors_name)))
-        else:  # an object at a URL: one read
-            tensors = load(files.read_all(tensors_name))
         state = from_json_tree(state_json, tensors)
-    except CheckpointError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a damaged file: name it
-        raise CheckpointError(f"Cannot read the trainer state in {directory}: {type(err).__name__}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - damaged, or the two files do not agree: name them
+        raise CheckpointError(
+            f"The trainer state in {directory / json_name} (with {tensors_name}) cannot be decoded"
+            f" ({type(err).__name__}: {err}): it is damaged. Use another checkpoint, or save this one again."
+        ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{directory / json_name} holds a {type(state).__name__}, not an object.")
     return state, index
+
+
+def _parsed(path: Any, data: bytes, parse: Callable[[bytes], Any]) -> Any:
+    """``parse(data)``, the contents of the file ``path``; what it cannot parse is a ``CheckpointError`` naming it."""
+    try:
+        return parse(data)
+    except Exception as err:  # noqa: BLE001 - a damaged file: name it
+        raise CheckpointError(
+            f"Checkpoint file {path} cannot be read ({type(err).__name__}: {err}): it is damaged. Use another"
+            " checkpoint, or save this one again."
+        ) from None
 
 
 def load_model(

@@ -24,7 +24,6 @@ import enum
 import json
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,14 +42,17 @@ from lightning_shard.checkpoint.format import (
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
+    new_save_id,
     shard_file_name,
 )
 from lightning_shard.checkpoint.format.adapters import ADAPTERS, peft_adapters
+from lightning_shard.checkpoint.format.safetensors_header import SAVE_ID_METADATA
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.checkpoint.io.agreement import agree, broadcast_str, gather_on_first_rank
 from lightning_shard.checkpoint.io.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
 from lightning_shard.checkpoint.io.index import (
     LEFT_OUT,
+    SAVE_ID_KEY,
     TENSOR_PARALLEL_SIZE,
     FileRecord,
     SavedTensor,
@@ -120,7 +122,7 @@ def prepare_save(
     averaged = checkpoint.pop(AVERAGED_MODEL_KEY, None)  # see [Note: averaged weights in a checkpoint]
     selection = checkpoint.pop(MODEL_SELECTION_KEY, None)  # see [Note: weights a checkpoint leaves out]
     with_optimizers = checkpoint.pop("optimizer_states", None) is not None
-    save_id = uuid.uuid4().hex[:12]
+    save_id = new_save_id()
     if isinstance(path, Path):
         tmp = Path(broadcast_str(str(path.parent / f".{path.name}.tmp-{save_id}")))
     else:  # staged locally, then uploaded: see [Note: committing to object storage]
@@ -145,8 +147,9 @@ def prepare_save(
     trainer_state = agree(checked_trainer_state)  # a refused target or an unstorable value fails on every rank
     writer = _ShardedWriter if layout is StateDictType.SHARDED else _FullWriter
     plan = writer(engine, module, list(optimizers) if with_optimizers else [], tmp, averaged, selection)
+    plan.save_id = tmp.name.rsplit("-", 1)[1]  # rank 0's, as every rank received it
     if not isinstance(path, Path):  # every file under this save's id: nothing at the URL is overwritten
-        plan.file_prefix = tmp.name.rsplit("-", 1)[1] + "."
+        plan.file_prefix = plan.save_id + "."
     return PreparedSave(plan, path, layout, trainer_state, tensors)
 
 
@@ -225,9 +228,11 @@ def write_trainer_state(
 
 
 def _record(
-    path: Path, shard: int | None, whole: dict[str, str] | None = None, pieces: dict[str, list[int]] | None = None
+    path: Path, shard: int | None, whole: dict[str, str] | None = None, pieces: dict[str, list[int]] | None = None,
+    header_sha256: str | None = None,
 ) -> FileRecord:
-    return FileRecord(path.name, path.stat().st_size, sha256_file(path), shard, whole or {}, pieces or {})
+    return FileRecord(path.name, path.stat().st_size, sha256_file(path), shard, whole or {}, pieces or {},
+                      header_sha256)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,6 +254,7 @@ class _Plan:
     ) -> None:
         self.engine, self.tmp = engine, tmp
         self.file_prefix = ""  # "<save-id>." for a save to a URL (see [Note: committing to object storage])
+        self.save_id = new_save_id()  # every rank's the same once ``prepare_save`` has set it
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.params: list[tuple[str, ShardedParam]] = []
@@ -287,7 +293,8 @@ class _Plan:
         """The index, from the records of every file written (rank 0)."""
         mesh = self.engine.mesh
         head = index_head(layout, self.world_size, (mesh.replicas, mesh.shard_size),
-                          self.engine.sharding_strategy.value, self.ties, [meta for meta, _ in self.optimizers])
+                          self.engine.sharding_strategy.value, self.ties, [meta for meta, _ in self.optimizers],
+                          self.save_id)
         if mesh.tensor_parallel_size > 1:
             head[TENSOR_PARALLEL_SIZE] = mesh.tensor_parallel_size
         if self.left_out:
@@ -355,11 +362,13 @@ def index_head(
     sharding_strategy: str,
     ties: dict[str, str],
     optimizers: list[dict[str, Any]],
+    save_id: str,
 ) -> dict[str, Any]:
-    """Everything of an index but its files and tensors (see docs/checkpoint_format.md)."""
+    """Everything of an index but its files, tensors and seal (see docs/checkpoint_format.md)."""
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
+        SAVE_ID_KEY: save_id,
         "state_dict_type": layout.value,
         "world_size": world_size,
         "mesh": {"replicas": mesh[0], "shard_size": mesh[1]},
@@ -492,19 +501,23 @@ class _ShardedWriter(_Plan):
         self.tmp.mkdir(parents=True, exist_ok=True)
         path = self.tmp / (self.file_prefix + shard_file_name(self.rank, self.world_size))
         if self.engine.mesh.tensor_parallel_size > 1:  # pieces listed in the index, no shard rule
-            return write_shard_file(path, None, local, listed=True)
-        return write_shard_file(path, self.engine.mesh.shard_rank, local)
+            return write_shard_file(path, None, local, self.save_id, listed=True)
+        return write_shard_file(path, self.engine.mesh.shard_rank, local, self.save_id)
 
 
-def write_shard_file(path: Path, shard: int | None, local: Local, listed: bool = False) -> list[FileRecord]:
+def write_shard_file(
+    path: Path, shard: int | None, local: Local, save_id: str, listed: bool = False
+) -> list[FileRecord]:
     """Write one shard's tensors (key, tensor, its rows or ``None`` when stored whole) as the safetensors file
     ``path``, the CRC-32s of its data in its header; its record. Every shard writes its file, also one holding
     nothing (a shard of more shards than a tensor has rows, or whose tensors are all stored whole elsewhere: see
-    [Note: small tensors stored whole]): a sharded checkpoint holds one shard file per writing rank. With ``listed``
+    [Note: small tensors stored whole]): a sharded checkpoint holds one shard file per writing rank, each recording
+    ``save_id`` (see [Note: what a load verifies]). With ``listed``
     (tensor parallelism) the record lists the rows of each piece, for the index to list. The tensors stored whole
     come first, then the pieces, each in ``local``'s order (see [Note: small tensors stored whole])."""
     local = sorted(local, key=lambda item: item[2] is not None)
-    writer = SafetensorsStreamWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local], checksums=True)
+    writer = SafetensorsStreamWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local],
+                                     metadata={SAVE_ID_METADATA: save_id}, checksums=True)
     try:
         for key, tensor, _ in local:
             writer.write(key, tensor)
@@ -513,7 +526,7 @@ def write_shard_file(path: Path, shard: int | None, local: Local, listed: bool =
         raise
     writer.close()
     pieces = {key: [rows[0], rows[1]] for key, _, rows in local if rows is not None} if listed else {}
-    return [_record(path, shard, {key: key for key, _, rows in local if rows is None}, pieces)]
+    return [_record(path, shard, {key: key for key, _, rows in local if rows is None}, pieces, writer.header_sha256)]
 
 
 class _FullWriter(_Plan):
@@ -542,7 +555,7 @@ class _FullWriter(_Plan):
         if self.rank == 0:
             specs = [(in_file[k], t.dtype, tuple(p.full_shape) if p is not None else tuple(t.shape))
                      for k, p, t in items]
-            metadata = {"format": FORMAT_NAME, "ties": json.dumps(self.ties)}
+            metadata = {"format": FORMAT_NAME, "ties": json.dumps(self.ties), SAVE_ID_METADATA: self.save_id}
             writer = SafetensorsStreamWriter(self.tmp / file, specs, metadata=metadata, checksums=True)
         try:
             for key, p, local in items:
@@ -557,4 +570,4 @@ class _FullWriter(_Plan):
         if writer is None:
             return []
         writer.close()
-        return [_record(self.tmp / file, None, in_file)]
+        return [_record(self.tmp / file, None, in_file, header_sha256=writer.header_sha256)]

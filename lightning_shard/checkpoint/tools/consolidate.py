@@ -16,16 +16,14 @@ from typing import Any
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     MODEL_PREFIX,
-    TRAINER_STATE_JSON,
     CheckpointError,
     dtype_name,
-    member_named,
 )
 from lightning_shard.checkpoint.format.adapters import ADAPTERS
-from lightning_shard.checkpoint.io.files import CheckpointFiles, read_json_member
 from lightning_shard.checkpoint.io.index import (
     LEFT_OUT,
     TENSOR_PARALLEL_SIZE,
+    checkpoint_files,
     iter_index_tensors,
     model_ties,
     read_index,
@@ -34,6 +32,7 @@ from lightning_shard.checkpoint.io.layout import check_piece, require_complete
 from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
 from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, is_url, location
 from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter, sha256_file
+from lightning_shard.checkpoint.load.load import load_trainer_state
 
 _BLOCK_BYTES = 16 * 2**20  # verify reads a piece in blocks of at most this size
 
@@ -122,20 +121,23 @@ class CheckpointSummary:
 
 
 def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummary:
-    """Summarise a checkpoint directory; with ``verify``, check every file's SHA-256 and every piece's CRC-32."""
+    """Summarise a checkpoint directory; with ``verify``, run every check a load runs on every file (see [Note: what a
+    load verifies]) and each file's SHA-256: what a load of everything would refuse is reported, and nothing else. An
+    index that cannot be read raises ``CheckpointError``."""
     directory = checkpoint_location(checkpoint_dir)
     index = read_index(directory)
     require_complete(directory, index["tensors"])
-    files = CheckpointFiles(directory, {name: info["size"] for name, info in index["files"].items()})
+    files = checkpoint_files(directory, index)
     for name in index["files"]:  # each a regular file of its recorded size (a missing or truncated one is named)
         files.check(name)
-    state_json = member_named(index["files"], TRAINER_STATE_JSON)
-    state = read_json_member(directory, state_json)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{directory / state_json} holds a {type(state).__name__}, not an object.")
     problems: list[str] = []
+    state: dict[str, Any] = {}
+    try:
+        state, _ = load_trainer_state(directory)
+    except CheckpointError as err:
+        problems.append(str(err))
     if verify:
-        problems = _verify(directory, index)
+        problems += _verify(directory, index)
     return CheckpointSummary(
         directory=directory,
         state_dict_type=index.get("state_dict_type", "?"),
@@ -145,7 +147,7 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
         global_step=state.get("global_step"),
         tensors={k: (list(e.shape), dtype_name(e.dtype)) for k, e in index["tensors"].items()},
         total_bytes=sum(f["size"] for f in index["files"].values()),
-        problems=problems,
+        problems=list(dict.fromkeys(problems)),  # a file's damage once, not once per piece it holds
         left_out=sorted(index.get(LEFT_OUT, {})),
         tensor_parallel_size=index.get(TENSOR_PARALLEL_SIZE, 1),
         adapters=sorted(index.get(ADAPTERS, {}).get("adapters", {})),
@@ -168,7 +170,8 @@ def _sha256(directory: Location, name: str) -> str:
 
 
 def _verify(directory: Location, index: dict[str, Any]) -> list[str]:
-    """Every file's SHA-256 against the index, and every piece against its file's header (key, dtype, shape)."""
+    """Every file's SHA-256 against the index, and every piece against its file's header (the header first against
+    the index's digest of it, then the piece's key, dtype and shape)."""
     problems = []
     for name, info in index["files"].items():
         try:
@@ -179,7 +182,12 @@ def _verify(directory: Location, index: dict[str, Any]) -> list[str]:
     for entry in index["tensors"].values():
         for piece in entry.pieces():
             try:
-                check_piece(entry, piece, entry.files.header(piece.file))
+                header = entry.files.header(piece.file)
+            except CheckpointError as err:  # the file's damage, once for every piece it holds
+                problems.append(f"{piece.file}: {err}")
+                continue
+            try:
+                check_piece(entry, piece, header)
             except CheckpointError as err:
                 problems.append(f"{piece.file}: {entry.key}: {err}")
     if not index["tensors"]:
