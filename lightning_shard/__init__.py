@@ -3,43 +3,85 @@
 Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op"``, ``"shard_hybrid"`` and
 ``"shard_offload"`` with Lightning's Trainer and Fabric, so ``Trainer(strategy="shard")`` and
 ``Fabric(strategy="shard")`` work. The Fabric strategy is ``lightning_shard.fabric.ShardStrategy``.
+
+Importing it imports neither torch nor Lightning: each name below is imported from its module when first read
+(``lightning_shard.lazy``), and the names are registered once Lightning is imported (see [Note: registering
+without importing Lightning] in ``lightning_shard.common.registry``).
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
+from typing import TYPE_CHECKING
 
-from lightning_shard.checkpoint.format import CheckpointError
-from lightning_shard.checkpoint.load.load import LoadResult, load_safetensors_into
-from lightning_shard.checkpoint.tools.consolidate import CheckpointSummary, consolidate, inspect
-from lightning_shard.checkpoint.tools.export import ExportResult, export_hf, export_peft
-from lightning_shard.checkpoint.tools.lightning_export import LightningExport, export_lightning
-from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
-from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
-from lightning_shard.engine.full_params import summon_full_params
-from lightning_shard.engine.grad_scaler import ShardedGradScaler
-from lightning_shard.engine.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
-from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.policies import (
-    CallableWrapPolicy,
-    GradSync,
-    ModuleClassWrapPolicy,
-    ShardingStrategy,
-    SizeWrapPolicy,
-)
-from lightning_shard.engine.stall import StalledRanksError
-from lightning_shard.engine.tensor_parallel import hf_tensor_parallel_plan
-from lightning_shard.engine.wrapping import mark_unit
-from lightning_shard.fabric import ShardStrategy as _FabricShardStrategy
-from lightning_shard.generation import generate
-from lightning_shard.inference import load_from_checkpoint
-from lightning_shard.monitor import ShardMonitor
-from lightning_shard.trainer.precision import ShardPrecision
-from lightning_shard.trainer.strategy import ShardStrategy
+from lightning_shard.common.registry import register_on_import
+from lightning_shard.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
-ShardStrategy.register_strategies(StrategyRegistry)
-_FabricShardStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+if TYPE_CHECKING:
+    from lightning_shard.checkpoint.format import CheckpointError
+    from lightning_shard.checkpoint.load.load import LoadResult, load_safetensors_into
+    from lightning_shard.checkpoint.tools.consolidate import CheckpointSummary, consolidate, inspect
+    from lightning_shard.checkpoint.tools.export import ExportResult, export_hf, export_peft
+    from lightning_shard.checkpoint.tools.lightning_export import LightningExport, export_lightning
+    from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
+    from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
+    from lightning_shard.engine.full_params import summon_full_params
+    from lightning_shard.engine.grad_scaler import ShardedGradScaler
+    from lightning_shard.engine.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
+    from lightning_shard.engine.mixed_precision import MixedPrecision
+    from lightning_shard.engine.policies import (
+        CallableWrapPolicy,
+        GradSync,
+        ModuleClassWrapPolicy,
+        ShardingStrategy,
+        SizeWrapPolicy,
+    )
+    from lightning_shard.engine.stall import StalledRanksError
+    from lightning_shard.engine.tensor_parallel import hf_tensor_parallel_plan
+    from lightning_shard.engine.wrapping import mark_unit
+    from lightning_shard.generation import generate
+    from lightning_shard.inference import load_from_checkpoint
+    from lightning_shard.monitor import ShardMonitor
+    from lightning_shard.trainer.precision import ShardPrecision
+    from lightning_shard.trainer.strategy import ShardStrategy
+else:
+    __getattr__, __dir__ = lazy_attributes(__name__, {
+        "CheckpointError": "lightning_shard.checkpoint.format",
+        "LoadResult": "lightning_shard.checkpoint.load.load",
+        "load_safetensors_into": "lightning_shard.checkpoint.load.load",
+        "CheckpointSummary": "lightning_shard.checkpoint.tools.consolidate",
+        "consolidate": "lightning_shard.checkpoint.tools.consolidate",
+        "inspect": "lightning_shard.checkpoint.tools.consolidate",
+        "ExportResult": "lightning_shard.checkpoint.tools.export",
+        "export_hf": "lightning_shard.checkpoint.tools.export",
+        "export_peft": "lightning_shard.checkpoint.tools.export",
+        "LightningExport": "lightning_shard.checkpoint.tools.lightning_export",
+        "export_lightning": "lightning_shard.checkpoint.tools.lightning_export",
+        "GlobalBatchLoader": "lightning_shard.data",
+        "GlobalBatchSampler": "lightning_shard.data",
+        "MemoryEstimate": "lightning_shard.engine.estimate",
+        "estimate_memory": "lightning_shard.engine.estimate",
+        "summon_full_params": "lightning_shard.engine.full_params",
+        "ShardedGradScaler": "lightning_shard.engine.grad_scaler",
+        "MemoryReport": "lightning_shard.engine.memory",
+        "ReplicatedMemoryBytes": "lightning_shard.engine.memory",
+        "ShardMemoryBytes": "lightning_shard.engine.memory",
+        "MixedPrecision": "lightning_shard.engine.mixed_precision",
+        "CallableWrapPolicy": "lightning_shard.engine.policies",
+        "GradSync": "lightning_shard.engine.policies",
+        "ModuleClassWrapPolicy": "lightning_shard.engine.policies",
+        "ShardingStrategy": "lightning_shard.engine.policies",
+        "SizeWrapPolicy": "lightning_shard.engine.policies",
+        "StalledRanksError": "lightning_shard.engine.stall",
+        "hf_tensor_parallel_plan": "lightning_shard.engine.tensor_parallel",
+        "mark_unit": "lightning_shard.engine.wrapping",
+        "generate": "lightning_shard.generation",
+        "load_from_checkpoint": "lightning_shard.inference",
+        "ShardMonitor": "lightning_shard.monitor",
+        "ShardPrecision": "lightning_shard.trainer.precision",
+        "ShardStrategy": "lightning_shard.trainer.strategy",
+    })
+
+register_on_import()
 
 __all__ = [
     "CallableWrapPolicy",

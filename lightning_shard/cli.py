@@ -16,10 +16,33 @@ import os
 import sys
 from typing import Any
 
-from lightning_shard.checkpoint.format import CheckpointError
-
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # torch, Lightning and the checkpoint machinery are imported only now that a command runs: --help stays quick.
+    if args.command == "estimate":
+        return _estimate(args)
+    from lightning_shard.checkpoint.format import CheckpointError
+    from lightning_shard.checkpoint.tools.consolidate import consolidate, inspect
+
+    try:
+        if args.command == "export":
+            return _export(args)
+        if args.command == "convert":
+            return _convert(args)
+        if args.command == "consolidate":
+            print(f"wrote {consolidate(args.checkpoint_dir, args.output)}")
+            return 0
+        summary = inspect(args.checkpoint_dir, verify=not args.no_verify)
+        print(summary)
+        return 1 if summary.problems else 0
+    except CheckpointError as err:
+        print(f"lightning-shard: {err}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser, one subparser per command. Standard library only: see ``main``."""
     parser = argparse.ArgumentParser(
         prog="lightning-shard", description="Tools for lightning_shard checkpoints and memory estimates."
     )
@@ -81,25 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="module:callable building the LightningModule that wrote a .ckpt (a class gets the"
                    " checkpoint's hyper_parameters), to name the parameters of its optimizer state")
     v.add_argument("--overwrite", action="store_true", help="replace a checkpoint directory at OUTPUT_DIR")
-    args = parser.parse_args(argv)
-    if args.command == "estimate":
-        return _estimate(args)
-    from lightning_shard.checkpoint.tools.consolidate import consolidate, inspect
-
-    try:
-        if args.command == "export":
-            return _export(args)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "consolidate":
-            print(f"wrote {consolidate(args.checkpoint_dir, args.output)}")
-            return 0
-        summary = inspect(args.checkpoint_dir, verify=not args.no_verify)
-        print(summary)
-        return 1 if summary.problems else 0
-    except CheckpointError as err:
-        print(f"lightning-shard: {err}", file=sys.stderr)
-        return 2
+    return parser
 
 
 # The export options that only some formats take, with their defaults (one source: the parser reads them here).
