@@ -12,6 +12,7 @@ from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.load.load import LoadResult, load_safetensors_into
 from lightning_shard.checkpoint.tools.consolidate import CheckpointSummary, consolidate, inspect
 from lightning_shard.checkpoint.tools.export import ExportResult, export_hf, export_peft
+from lightning_shard.checkpoint.tools.gguf_export import GgufExport, export_gguf
 from lightning_shard.checkpoint.tools.lightning_export import LightningExport, export_lightning
 from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
 from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
@@ -46,6 +47,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSummary",
     "ExportResult",
+    "GgufExport",
     "GlobalBatchLoader",
     "GlobalBatchSampler",
     "LoadResult",
@@ -67,6 +69,7 @@ __all__ = [
     "__version__",
     "consolidate",
     "estimate_memory",
+    "export_gguf",
     "export_hf",
     "export_lightning",
     "export_peft",
