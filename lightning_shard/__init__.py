@@ -8,6 +8,7 @@ Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_shard.checkpoint.foreign.gguf import load_gguf_into
 from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.load.load import LoadResult, load_safetensors_into
 from lightning_shard.checkpoint.tools.consolidate import CheckpointSummary, consolidate, inspect
@@ -77,6 +78,7 @@ __all__ = [
     "hf_tensor_parallel_plan",
     "inspect",
     "load_from_checkpoint",
+    "load_gguf_into",
     "load_safetensors_into",
     "mark_unit",
     "summon_full_params",

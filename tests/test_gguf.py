@@ -241,3 +241,130 @@ def test_an_existing_file_is_replaced_only_with_overwrite(tmp_path: Path) -> Non
         lightning_shard.export_gguf(ckpt, tmp_path / "m.gguf", config, prefix="net.")
     lightning_shard.export_gguf(ckpt, tmp_path / "m.gguf", config, prefix="net.", overwrite=True)
     assert gguf.GGUFReader(tmp_path / "m.gguf").tensors
+
+
+# In #
+
+
+def exported(kind: str, dtype: str = "f32") -> Path:
+    """The trained ``kind`` exported as GGUF once per test process."""
+    return _exported(kind, dtype)
+
+
+@functools.cache
+def _exported(kind: str, dtype: str) -> Path:
+    ckpt, config, _ = trained(kind)
+    out = ckpt.parent / "gguf" / f"{kind}-{dtype}.gguf"
+    return lightning_shard.export_gguf(ckpt, out, config, prefix="net.", dtype=dtype).output
+
+
+class LitFromGguf(LitCausalLM):
+    """The model built on the meta device, its weights loaded from a GGUF file in ``on_fit_start``; the logits on
+    ``PROBE`` right after the load, and whether every parameter was split over the ranks."""
+
+    def __init__(self, kind: str, path: str) -> None:
+        L.LightningModule.__init__(self)
+        self.kind, self.path = kind, path
+
+    def configure_model(self) -> None:
+        with torch.device("meta"):
+            self.net = transformers.AutoModelForCausalLM.from_config(CONFIGS[self.kind]())
+
+    def on_fit_start(self) -> None:
+        self.result = lightning_shard.load_gguf_into(self, self.path, prefix="net.")
+        engine = self.trainer.strategy.engine
+        self.sharded = all(p.sharded.numel() < p.global_shape.numel() for p in engine.sharded_params())
+        with torch.no_grad():
+            self.loaded_logits = self.net.eval()(input_ids=PROBE).logits.detach().clone()
+        self.net.train()
+
+
+def fit_from_gguf(rank: int, world_size: int, kind: str, path: str) -> dict[str, Any]:
+    L.seed_everything(0)
+    module = LitFromGguf(kind, path)
+    strategy = ShardStrategy(auto_wrap_policy={UNITS[kind]}, param_init="empty")
+    tokens = torch.randint(0, 97, (4 * world_size, 12), generator=torch.Generator().manual_seed(2))
+    trainer_for(strategy, world_size, 1).fit(module, train_dataloaders=DataLoader(TensorDataset(tokens), batch_size=4))
+    return {"logits": module.loaded_logits, "sharded": module.sharded, "missing": module.result.missing_keys,
+            "unexpected": module.result.unexpected_keys, "steps": module.trainer.global_step}
+
+
+def test_a_trainer_fit_starts_from_a_gguf_file_each_rank_holding_its_rows() -> None:
+    _, _, logits = trained("gpt2")
+    for r in run_on_ranks(fit_from_gguf, 2, "gpt2", str(exported("gpt2"))):
+        assert r["sharded"] and r["missing"] == [] and r["unexpected"] == [] and r["steps"] == 1
+        torch.testing.assert_close(r["logits"], logits)
+
+
+def fabric_from_gguf(rank: int, world_size: int, kind: str, path: str, save_to: str | None) -> Tensor:
+    """Fabric: the Hugging Face model set up sharded, filled by ``fabric.load_raw`` from a GGUF file; its logits, and
+    (with ``save_to``) a checkpoint of it."""
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    strategy = FabricShardStrategy(auto_wrap_policy={UNITS[kind]})
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()))
+    fabric.load_raw(path, model)
+    if save_to is not None:
+        fabric.save(save_to, {"model": model})
+    with torch.no_grad():
+        return model.eval()(input_ids=PROBE).logits.detach().clone()
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
+def test_fabric_loads_a_quantised_llama_as_transformers_dequantises_it(dtype: str) -> None:
+    path = exported("llama", dtype)
+    expected = transformers_logits(path)
+    for logits in run_on_ranks(fabric_from_gguf, 2, "llama", str(path), None):
+        torch.testing.assert_close(logits, expected)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("gpt2", "f32"), ("llama", "f32"), ("llama", "q8_0")])
+def test_import_then_export_gives_the_same_file_tensors(tmp_path: Path, kind: str, dtype: str) -> None:
+    path = exported(kind, dtype)
+    run_on_ranks(fabric_from_gguf, 2, kind, str(path), str(tmp_path / "ckpt"))
+    (tmp_path / "config.json").write_text(trained(kind)[1].read_text())
+    again = lightning_shard.export_gguf(tmp_path / "ckpt", tmp_path / "again.gguf", tmp_path / "config.json",
+                                        dtype=dtype).output
+    before = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    after = {t.name: t for t in gguf.GGUFReader(again).tensors}
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert tensor.tensor_type == after[name].tensor_type, name
+        assert tensor.data.tobytes() == after[name].data.tobytes(), name
+
+
+def load_refused(rank: int, world_size: int, config: dict[str, Any], path: str, strict: bool = True) -> str:
+    """The error ``load_gguf_into`` raises loading ``path`` into a sharded model of ``config``."""
+    from lightning_shard.engine import shard_model
+
+    net = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    shard_model(net, device="cpu")
+    try:
+        lightning_shard.load_gguf_into(net, path, strict=strict)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_file_of_another_architecture_is_refused_naming_both() -> None:
+    path = exported("llama")
+    for message in run_on_ranks(load_refused, 2, gpt2_config().to_dict(), str(path)):
+        assert message.endswith(f"The GGUF file {path} holds a llama model; the model under the prefix '' is a gpt2.")
+
+
+def test_a_tensor_the_model_needs_that_the_file_lacks_is_named_with_the_file() -> None:
+    path = exported("gpt2")
+    deeper = {**gpt2_config().to_dict(), "n_layer": 3}
+    for message in run_on_ranks(load_refused, 2, deeper, str(path)):
+        assert (f"The GGUF file {path} has no tensor 'blk.2.attn_norm.weight' (the model's"
+                " 'transformer.h.2.ln_1.weight')") in message, message
+
+
+def test_a_tensor_of_another_shape_is_named_with_the_file() -> None:
+    path = exported("gpt2")
+    narrower = {**gpt2_config().to_dict(), "n_embd": 16}
+    for message in run_on_ranks(load_refused, 2, narrower, str(path)):
+        assert f"The GGUF file {path} does not match the model's shapes: tensor 'token_embd.weight' holds" \
+               " [50257, 32] for the model's 'transformer.wte.weight', which is [50257, 16]" in message
