@@ -17,10 +17,12 @@ from lightning_shard.lazy import lazy_attributes
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from lightning_shard.checkpoint.foreign.gguf import load_gguf_into
     from lightning_shard.checkpoint.format import CheckpointError
     from lightning_shard.checkpoint.load.load import LoadResult, load_safetensors_into
     from lightning_shard.checkpoint.tools.consolidate import CheckpointSummary, consolidate, inspect
     from lightning_shard.checkpoint.tools.export import ExportResult, export_hf, export_peft
+    from lightning_shard.checkpoint.tools.gguf_export import GgufExport, export_gguf
     from lightning_shard.checkpoint.tools.lightning_export import LightningExport, export_lightning
     from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
     from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from lightning_shard.trainer.strategy import ShardStrategy
 else:
     __getattr__, __dir__ = lazy_attributes(__name__, {
+        "load_gguf_into": "lightning_shard.checkpoint.foreign.gguf",
         "CheckpointError": "lightning_shard.checkpoint.format",
         "LoadResult": "lightning_shard.checkpoint.load.load",
         "load_safetensors_into": "lightning_shard.checkpoint.load.load",
@@ -54,6 +57,8 @@ else:
         "ExportResult": "lightning_shard.checkpoint.tools.export",
         "export_hf": "lightning_shard.checkpoint.tools.export",
         "export_peft": "lightning_shard.checkpoint.tools.export",
+        "GgufExport": "lightning_shard.checkpoint.tools.gguf_export",
+        "export_gguf": "lightning_shard.checkpoint.tools.gguf_export",
         "LightningExport": "lightning_shard.checkpoint.tools.lightning_export",
         "export_lightning": "lightning_shard.checkpoint.tools.lightning_export",
         "GlobalBatchLoader": "lightning_shard.data",
@@ -88,6 +93,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSummary",
     "ExportResult",
+    "GgufExport",
     "GlobalBatchLoader",
     "GlobalBatchSampler",
     "LoadResult",
@@ -109,6 +115,7 @@ __all__ = [
     "__version__",
     "consolidate",
     "estimate_memory",
+    "export_gguf",
     "export_hf",
     "export_lightning",
     "export_peft",
@@ -116,6 +123,7 @@ __all__ = [
     "hf_tensor_parallel_plan",
     "inspect",
     "load_from_checkpoint",
+    "load_gguf_into",
     "load_safetensors_into",
     "mark_unit",
     "summon_full_params",

@@ -5,6 +5,7 @@
     lightning-shard export CKPT_DIR OUT_DIR --format hf --prefix model. --config config.json  # from_pretrained
     lightning-shard export CKPT_DIR OUT_DIR --format dcp         # what ModelParallelStrategy resumes from
     lightning-shard export CKPT_DIR OUT.ckpt --format lightning  # for LightningModule.load_from_checkpoint
+    lightning-shard export CKPT_DIR OUT.gguf --format gguf --prefix model. --config config.json  # llama.cpp
     lightning-shard convert last.ckpt CKPT_DIR --module my_pkg.models:LitGPT   # a DDP/FSDP .ckpt or a DCP directory
     lightning-shard estimate my_pkg.models:build_gpt --world-size 8 --wrap Block --precision bf16-mixed
 """
@@ -69,21 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="module:callable returning the plan for parallelize_module (a dict of parallel styles)")
     x = commands.add_parser(
         "export", help="write a checkpoint in another layout: Hugging Face (hf), peft adapters (peft), DCP (dcp), one"
-        " Lightning .ckpt file (lightning)"
+        " Lightning .ckpt file (lightning), one GGUF file (gguf)"
     )
     x.add_argument("checkpoint_dir")
     x.add_argument("output_dir")
-    x.add_argument("--format", choices=["hf", "peft", "dcp", "lightning"], default="hf",
+    x.add_argument("--format", choices=["hf", "peft", "dcp", "lightning", "gguf"], default="hf",
                    help="output layout (hf: sharded safetensors + index, peft adapters merged into --base; peft:"
                    " adapter_model.safetensors + adapter_config.json for PeftModel.from_pretrained; dcp:"
                    " torch.distributed.checkpoint directory that ModelParallelStrategy resumes from, with the"
-                   " optimizer state; lightning: one OUT.ckpt file for LightningModule.load_from_checkpoint)")
+                   " optimizer state; lightning: one OUT.ckpt file for LightningModule.load_from_checkpoint; gguf: one"
+                   " GGUF v3 OUT.gguf file for llama.cpp and transformers' GGUF loader, GPT-2 and Llama)")
     x.add_argument("--prefix", default=_EXPORT_OPTION_DEFAULTS["--prefix"],
                    help="the submodule whose keys are exported, without its name (e.g. 'model')")
-    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "f32", "f16", "bf16", "q8_0"], default=None,
+                   help="cast floating-point weights (f32, f16, bf16, q8_0: --format gguf)")
     x.add_argument("--max-shard-size", default=_EXPORT_OPTION_DEFAULTS["--max-shard-size"],
                    help="largest weight file, e.g. 5GB, 200MB or bytes")
-    x.add_argument("--config", default=None, help="a config.json to copy into OUTPUT_DIR")
+    x.add_argument("--config", default=None,
+                   help="a config.json to copy into OUTPUT_DIR (--format gguf: the model's, for its metadata)")
+    x.add_argument("--tokenizer", default=None,
+                   help="--format gguf: a Hugging Face tokenizer directory whose vocabulary goes into the file")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
     x.add_argument("--weights", choices=["current", "averaged"], default=_EXPORT_OPTION_DEFAULTS["--weights"],
                    help="the model as trained, or the average a WeightAveraging callback kept (--format hf, peft)")
@@ -110,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The export options that only some formats take, with their defaults (one source: the parser reads them here).
 _EXPORT_OPTION_DEFAULTS: dict[str, Any] = {
     "--prefix": "", "--dtype": None, "--config": None, "--max-shard-size": "5GB", "--weights": "current",
-    "--adapter-config": None, "--adapter-name": None, "--base": None,
+    "--adapter-config": None, "--adapter-name": None, "--base": None, "--tokenizer": None,
 }
 
 
@@ -128,9 +134,16 @@ def _export(args: argparse.Namespace) -> int:
         return _export_lightning(args)
     if args.format == "peft":
         return _export_peft(args)
+    if args.format == "gguf":
+        return _export_gguf(args)
     misplaced = _given(args, "--adapter-config", "--adapter-name")
     if misplaced:
         print(f"lightning-shard: {', '.join(misplaced)} only apply to --format peft.", file=sys.stderr)
+        return 2
+    gguf_only = _given(args, "--tokenizer") + (["--dtype " + args.dtype] if args.dtype in ("f32", "f16", "bf16", "q8_0")
+                                                else [])
+    if gguf_only:
+        print(f"lightning-shard: {', '.join(gguf_only)} only apply to --format gguf.", file=sys.stderr)
         return 2
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     result = export_hf(args.checkpoint_dir, args.output_dir, prefix=args.prefix, dtype=args.dtype,
@@ -140,6 +153,20 @@ def _export(args: argparse.Namespace) -> int:
         print(f"note: {len(result.skipped)} keys without the prefix {args.prefix!r} were left out:"
               f" {', '.join(result.skipped)}")
     print(f"wrote {len(result.files)} weight files ({result.total_size / 2**20:.2f} MiB) to {result.output_dir}")
+    return 0
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    from lightning_shard.checkpoint.tools.gguf_export import export_gguf
+
+    misplaced = _given(args, "--adapter-config", "--adapter-name", "--base", "--max-shard-size")
+    if misplaced or args.config is None:
+        why = f"{', '.join(misplaced)} do not apply" if misplaced else "--config (the model's config.json) is needed"
+        print(f"lightning-shard: {why} to --format gguf.", file=sys.stderr)
+        return 2
+    result = export_gguf(args.checkpoint_dir, args.output_dir, args.config, prefix=args.prefix, dtype=args.dtype,
+                         tokenizer=args.tokenizer, overwrite=args.overwrite, weights=args.weights)
+    print(f"wrote {len(result.tensors)} {result.architecture} tensors to {result.output}")
     return 0
 
 

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.foreign.gguf import is_gguf, load_gguf_into
 from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
 from lightning_shard.checkpoint.foreign.sources import detect
 from lightning_shard.checkpoint.foreign.torch_files import is_pickle
@@ -127,7 +128,8 @@ def load_fabric_state(path: Location, state: dict[str, Any], strict: bool) -> di
 
 def load_raw_into(path: Location, module: nn.Module, strict: bool) -> None:
     """``fabric.load_raw``: a plain ``.safetensors`` model file, a ``torch.save`` state dict (``.pt``/``.pth``, read
-    with the restricted reader: tensors and plain containers only), or the model of a checkpoint directory. A module
+    with the restricted reader: tensors and plain containers only), a GPT-2 or Llama GGUF file (``load_gguf_into``:
+    the module is the Hugging Face model itself), or the model of a checkpoint directory. A module
     set up with ``fabric.setup_module()`` takes this rank's rows (collective); a module never set up loads the whole
     state with ``load_state_dict``, as under ``FSDPStrategy``."""
     engine = sharded_module_of(module)
@@ -139,6 +141,8 @@ def load_raw_into(path: Location, module: nn.Module, strict: bool) -> None:
             module.load_state_dict(agree(lambda: full_model_state(path, index)), strict=strict)
         else:
             load_model(engine, module, path, index, strict=strict)
+    elif isinstance(path, Path) and path.is_file() and is_gguf(path):
+        load_gguf_into(module, path, strict=strict)
     else:
         load_safetensors_into(module, path, strict=strict)
 

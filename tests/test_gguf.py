@@ -1,0 +1,370 @@
+"""GGUF out and in (docs/gguf.md). A transformers GPT-2 and Llama trained 3 steps under ``ShardStrategy`` on 2 ranks are
+exported with ``export_gguf`` (and, as users run it, with ``lightning-shard export --format gguf`` in a fresh process);
+the references are the ``gguf`` package's own reader and transformers' GGUF loader
+(``AutoModelForCausalLM.from_pretrained(directory, gguf_file=...)``), whose logits must equal the trained model's at
+fp32 with ``assert_close``'s defaults. transformers builds a GGUF GPT-2 with 1,024 positions and takes its vocabulary
+size from the file's tokens (50,257 without them), so the GPT-2 here has both."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import lightning as L
+import pytest
+import torch
+import transformers
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_shard
+from lightning_shard import CheckpointError, ShardStrategy
+from lightning_shard.testing import run_on_ranks
+from tests.fits import trainer_for
+
+PROBE = torch.arange(24).reshape(2, 12) * 7 % 97  # the inputs the logits are compared on
+STEPS = 3
+Q8_0_LOGITS_ATOL = 0.05  # q8_0 keeps each weight within half of its block's step (max |w| / 254); measured 0.006
+
+
+def gpt2_config() -> Any:
+    return transformers.GPT2Config(vocab_size=50257, n_positions=1024, n_embd=32, n_layer=2, n_head=2,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def llama_config() -> Any:
+    return transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    tie_word_embeddings=False)
+
+
+CONFIGS = {"gpt2": gpt2_config, "llama": llama_config}
+UNITS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
+
+
+class LitCausalLM(L.LightningModule):
+    """A Hugging Face causal LM held as ``self.net`` (so ``--prefix net.``), trained on its own inputs."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.net = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]())
+
+    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> Tensor:
+        (x,) = batch
+        return self.net(input_ids=x, labels=x).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def fit_and_save(rank: int, world_size: int, kind: str, ckpt: str) -> Tensor:
+    """Train ``kind`` 3 steps, save the checkpoint directory ``ckpt``; the trained logits on ``PROBE``."""
+    L.seed_everything(0)
+    module = LitCausalLM(kind)
+    trainer = trainer_for(ShardStrategy(auto_wrap_policy={UNITS[kind]}), world_size, STEPS)
+    tokens = torch.randint(0, 97, (4 * world_size * STEPS, 12), generator=torch.Generator().manual_seed(1))
+    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(tokens), batch_size=4))
+    trainer.save_checkpoint(ckpt)
+    module.net.eval()
+    with torch.no_grad():
+        return module.net(input_ids=PROBE).logits.detach().clone()
+
+
+@functools.cache
+def trained(kind: str) -> tuple[Path, Path, Tensor]:
+    """``(checkpoint directory, config.json, trained logits on PROBE)``, trained once per test process."""
+    root = Path(tempfile.mkdtemp(prefix=f"gguf-{kind}-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    logits = run_on_ranks(fit_and_save, 2, kind, str(root / "ckpt"))
+    torch.testing.assert_close(logits[0], logits[1])
+    CONFIGS[kind]().to_json_file(str(root / "config.json"))
+    return root / "ckpt", root / "config.json", logits[0]
+
+
+def transformers_logits(path: Path) -> Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits
+
+
+def reference_model(kind: str, dtype: torch.dtype | None = None) -> Any:
+    """The trained model rebuilt from its checkpoint (``consolidate``), its 2-D weights rounded to ``dtype``."""
+    from safetensors.torch import load_file
+
+    ckpt, _, _ = trained(kind)
+    out = Path(tempfile.mkdtemp(prefix="gguf-reference-"))
+    try:
+        state = load_file(str(lightning_shard.consolidate(ckpt, out / "model.safetensors")))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]())
+    weights = {k.removeprefix("net."): v for k, v in state.items()}
+    if dtype is not None:
+        weights = {k: v.to(dtype).float() if v.dim() == 2 else v for k, v in weights.items()}
+    model.load_state_dict(weights, strict=False)  # a tied head is re-tied by the model
+    return model.eval()
+
+
+def logits_of(model: Any) -> Tensor:
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits
+
+
+# Out #
+
+
+def test_cli_export_in_a_fresh_process_loads_through_transformers_to_the_trained_logits(tmp_path: Path) -> None:
+    ckpt, config, logits = trained("gpt2")
+    out = tmp_path / "gpt2.gguf"
+    command = Path(sys.executable).with_name("lightning-shard")
+    done = subprocess.run([str(command), "export", str(ckpt), str(out), "--format", "gguf", "--prefix", "net.",
+                           "--config", str(config)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert f"wrote 28 gpt2 tensors to {out}" in done.stdout
+    torch.testing.assert_close(transformers_logits(out), logits)
+
+
+def test_the_gguf_reader_finds_version_3_the_metadata_and_the_tensors_in_gguf_layout(tmp_path: Path) -> None:
+    ckpt, config, _ = trained("gpt2")
+    out = lightning_shard.export_gguf(ckpt, tmp_path / "m.gguf", config, prefix="net.").output
+    reader = gguf.GGUFReader(out)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    assert fields["GGUF.version"] == 3 and fields["general.architecture"] == "gpt2"
+    assert (fields["gpt2.block_count"], fields["gpt2.embedding_length"], fields["gpt2.attention.head_count"],
+            fields["gpt2.context_length"], fields["gpt2.feed_forward_length"]) == (2, 32, 2, 1024, 128)
+    assert fields["tokenizer.ggml.model"] == "none" and fields["general.file_type"] == gguf.LlamaFileType.ALL_F32
+    tensors = {t.name: t for t in reader.tensors}
+    assert "output.weight" not in tensors  # the LM head is tied to token_embd: written once
+    hf = reference_model("gpt2").state_dict()
+    qkv = tensors["blk.1.attn_qkv.weight"]
+    assert qkv.tensor_type == gguf.GGMLQuantizationType.F32
+    assert torch.equal(torch.from_numpy(qkv.data.copy()), hf["transformer.h.1.attn.c_attn.weight"].t())  # Conv1D
+    assert torch.equal(torch.from_numpy(tensors["token_embd.weight"].data.copy()), hf["transformer.wte.weight"])
+
+
+def test_llama_export_loads_through_transformers_to_the_trained_logits(tmp_path: Path) -> None:
+    ckpt, config, logits = trained("llama")
+    result = lightning_shard.export_gguf(ckpt, tmp_path / "llama.gguf", config, prefix="net.")
+    assert result.architecture == "llama" and "output.weight" in result.tensors  # an untied head
+    torch.testing.assert_close(transformers_logits(result.output), logits)
+
+
+def test_llama_q_and_k_rows_are_in_llama_cpps_rotary_order(tmp_path: Path) -> None:
+    ckpt, config, _ = trained("llama")
+    out = lightning_shard.export_gguf(ckpt, tmp_path / "llama.gguf", config, prefix="net.").output
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in gguf.GGUFReader(out).tensors}
+    hf = reference_model("llama").state_dict()
+    k = hf["model.layers.0.self_attn.k_proj.weight"]  # 2 heads of 16 rows: llama.cpp pairs row i with row i + 8
+    expected = k.reshape(2, 2, 8, 64).transpose(1, 2).reshape(32, 64)
+    assert torch.equal(tensors["blk.0.attn_k.weight"], expected)
+    assert not torch.equal(tensors["blk.0.attn_k.weight"], k)
+
+
+@pytest.mark.parametrize(("dtype", "ggml", "rounded"), [
+    ("f16", gguf.GGMLQuantizationType.F16, torch.float16),
+    ("bf16", gguf.GGMLQuantizationType.BF16, torch.bfloat16),
+])
+def test_half_exports_are_the_trained_model_with_its_matrices_rounded(
+    tmp_path: Path, dtype: str, ggml: Any, rounded: torch.dtype
+) -> None:
+    ckpt, config, _ = trained("llama")
+    result = lightning_shard.export_gguf(ckpt, tmp_path / f"{dtype}.gguf", config, prefix="net.", dtype=dtype)
+    assert result.tensors["blk.0.ffn_up.weight"] == ggml.name and result.tensors["output_norm.weight"] == "F32"
+    torch.testing.assert_close(transformers_logits(result.output), logits_of(reference_model("llama", rounded)))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_q8_0_export_is_within_its_stated_tolerance(tmp_path: Path, kind: str) -> None:
+    ckpt, config, logits = trained(kind)
+    result = lightning_shard.export_gguf(ckpt, tmp_path / "q8.gguf", config, prefix="net.", dtype="q8_0")
+    assert {result.tensors[n] for n in ("token_embd.weight", "blk.0.ffn_down.weight")} == {"Q8_0"}
+    got = transformers_logits(result.output)
+    assert not torch.equal(got, logits)  # quantised: not the same numbers
+    torch.testing.assert_close(got, logits, rtol=0, atol=Q8_0_LOGITS_ATOL)
+
+
+def byte_level_tokenizer(directory: Path) -> Any:
+    """A small GPT-2-style byte-level BPE tokenizer trained here (no download), saved as transformers saves it."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(["the sharded model trains and exports to gguf files"] * 20, vocab_size=300,
+                                special_tokens=["<|endoftext|>"])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=trainer, bos_token="<|endoftext|>",
+                                                     eos_token="<|endoftext|>")
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def test_a_tokenizer_directory_becomes_the_files_vocabulary(tmp_path: Path) -> None:
+    ckpt, config, logits = trained("gpt2")
+    tokenizer = byte_level_tokenizer(tmp_path / "tokenizer")
+    result = lightning_shard.export_gguf(ckpt, tmp_path / "out" / "m.gguf", config, prefix="net.",
+                                         tokenizer=tmp_path / "tokenizer")
+    assert result.vocabulary == 50257  # the tokenizer's tokens, padded to the embedding's rows
+    fields = {n: f for n, f in gguf.GGUFReader(result.output).fields.items()}
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2" and fields["tokenizer.ggml.merges"].contents()
+    loaded = transformers.AutoTokenizer.from_pretrained(str(result.output.parent), gguf_file=result.output.name)
+    text = "the model exports"
+    assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    torch.testing.assert_close(transformers_logits(result.output), logits)
+
+
+def test_an_architecture_gguf_is_not_written_for_is_refused(tmp_path: Path) -> None:
+    ckpt, _, _ = trained("gpt2")
+    transformers.BertConfig().to_json_file(str(tmp_path / "bert.json"))
+    with pytest.raises(CheckpointError, match="'bert' is not one GGUF is written or read for here.*gpt2, llama"):
+        lightning_shard.export_gguf(ckpt, tmp_path / "m.gguf", tmp_path / "bert.json", prefix="net.")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_keys_that_are_not_the_hugging_face_models_are_refused_naming_them(tmp_path: Path) -> None:
+    ckpt, config, _ = trained("gpt2")
+    with pytest.raises(CheckpointError, match=r"no GGUF gpt2 name \(net\.transformer\.wte\.weight.*--prefix"):
+        lightning_shard.export_gguf(ckpt, tmp_path / "m.gguf", config)  # the prefix forgotten
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_an_existing_file_is_replaced_only_with_overwrite(tmp_path: Path) -> None:
+    ckpt, config, _ = trained("gpt2")
+    (tmp_path / "m.gguf").write_text("old")
+    with pytest.raises(CheckpointError, match="exists: pass overwrite=True"):
+        lightning_shard.export_gguf(ckpt, tmp_path / "m.gguf", config, prefix="net.")
+    lightning_shard.export_gguf(ckpt, tmp_path / "m.gguf", config, prefix="net.", overwrite=True)
+    assert gguf.GGUFReader(tmp_path / "m.gguf").tensors
+
+
+# In #
+
+
+def exported(kind: str, dtype: str = "f32") -> Path:
+    """The trained ``kind`` exported as GGUF once per test process."""
+    return _exported(kind, dtype)
+
+
+@functools.cache
+def _exported(kind: str, dtype: str) -> Path:
+    ckpt, config, _ = trained(kind)
+    out = ckpt.parent / "gguf" / f"{kind}-{dtype}.gguf"
+    return lightning_shard.export_gguf(ckpt, out, config, prefix="net.", dtype=dtype).output
+
+
+class LitFromGguf(LitCausalLM):
+    """The model built on the meta device, its weights loaded from a GGUF file in ``on_fit_start``; the logits on
+    ``PROBE`` right after the load, and whether every parameter was split over the ranks."""
+
+    def __init__(self, kind: str, path: str) -> None:
+        L.LightningModule.__init__(self)
+        self.kind, self.path = kind, path
+
+    def configure_model(self) -> None:
+        with torch.device("meta"):
+            self.net = transformers.AutoModelForCausalLM.from_config(CONFIGS[self.kind]())
+
+    def on_fit_start(self) -> None:
+        self.result = lightning_shard.load_gguf_into(self, self.path, prefix="net.")
+        engine = self.trainer.strategy.engine
+        self.sharded = all(p.sharded.numel() < p.global_shape.numel() for p in engine.sharded_params())
+        with torch.no_grad():
+            self.loaded_logits = self.net.eval()(input_ids=PROBE).logits.detach().clone()
+        self.net.train()
+
+
+def fit_from_gguf(rank: int, world_size: int, kind: str, path: str) -> dict[str, Any]:
+    L.seed_everything(0)
+    module = LitFromGguf(kind, path)
+    strategy = ShardStrategy(auto_wrap_policy={UNITS[kind]}, param_init="empty")
+    tokens = torch.randint(0, 97, (4 * world_size, 12), generator=torch.Generator().manual_seed(2))
+    trainer_for(strategy, world_size, 1).fit(module, train_dataloaders=DataLoader(TensorDataset(tokens), batch_size=4))
+    return {"logits": module.loaded_logits, "sharded": module.sharded, "missing": module.result.missing_keys,
+            "unexpected": module.result.unexpected_keys, "steps": module.trainer.global_step}
+
+
+def test_a_trainer_fit_starts_from_a_gguf_file_each_rank_holding_its_rows() -> None:
+    _, _, logits = trained("gpt2")
+    for r in run_on_ranks(fit_from_gguf, 2, "gpt2", str(exported("gpt2"))):
+        assert r["sharded"] and r["missing"] == [] and r["unexpected"] == [] and r["steps"] == 1
+        torch.testing.assert_close(r["logits"], logits)
+
+
+def fabric_from_gguf(rank: int, world_size: int, kind: str, path: str, save_to: str | None) -> Tensor:
+    """Fabric: the Hugging Face model set up sharded, filled by ``fabric.load_raw`` from a GGUF file; its logits, and
+    (with ``save_to``) a checkpoint of it."""
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    strategy = FabricShardStrategy(auto_wrap_policy={UNITS[kind]})
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()))
+    fabric.load_raw(path, model)
+    if save_to is not None:
+        fabric.save(save_to, {"model": model})
+    with torch.no_grad():
+        return model.eval()(input_ids=PROBE).logits.detach().clone()
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
+def test_fabric_loads_a_quantised_llama_as_transformers_dequantises_it(dtype: str) -> None:
+    path = exported("llama", dtype)
+    expected = transformers_logits(path)
+    for logits in run_on_ranks(fabric_from_gguf, 2, "llama", str(path), None):
+        torch.testing.assert_close(logits, expected)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("gpt2", "f32"), ("llama", "f32"), ("llama", "q8_0")])
+def test_import_then_export_gives_the_same_file_tensors(tmp_path: Path, kind: str, dtype: str) -> None:
+    path = exported(kind, dtype)
+    run_on_ranks(fabric_from_gguf, 2, kind, str(path), str(tmp_path / "ckpt"))
+    (tmp_path / "config.json").write_text(trained(kind)[1].read_text())
+    again = lightning_shard.export_gguf(tmp_path / "ckpt", tmp_path / "again.gguf", tmp_path / "config.json",
+                                        dtype=dtype).output
+    before = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    after = {t.name: t for t in gguf.GGUFReader(again).tensors}
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert tensor.tensor_type == after[name].tensor_type, name
+        assert tensor.data.tobytes() == after[name].data.tobytes(), name
+
+
+def load_refused(rank: int, world_size: int, config: dict[str, Any], path: str, strict: bool = True) -> str:
+    """The error ``load_gguf_into`` raises loading ``path`` into a sharded model of ``config``."""
+    from lightning_shard.engine import shard_model
+
+    net = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    shard_model(net, device="cpu")
+    try:
+        lightning_shard.load_gguf_into(net, path, strict=strict)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_file_of_another_architecture_is_refused_naming_both() -> None:
+    path = exported("llama")
+    for message in run_on_ranks(load_refused, 2, gpt2_config().to_dict(), str(path)):
+        assert message.endswith(f"The GGUF file {path} holds a llama model; the model under the prefix '' is a gpt2.")
+
+
+def test_a_tensor_the_model_needs_that_the_file_lacks_is_named_with_the_file() -> None:
+    path = exported("gpt2")
+    deeper = {**gpt2_config().to_dict(), "n_layer": 3}
+    for message in run_on_ranks(load_refused, 2, deeper, str(path)):
+        assert (f"The GGUF file {path} has no tensor 'blk.2.attn_norm.weight' (the model's"
+                " 'transformer.h.2.ln_1.weight')") in message, message
+
+
+def test_a_tensor_of_another_shape_is_named_with_the_file() -> None:
+    path = exported("gpt2")
+    narrower = {**gpt2_config().to_dict(), "n_embd": 16}
+    for message in run_on_ranks(load_refused, 2, narrower, str(path)):
+        assert f"The GGUF file {path} does not match the model's shapes: tensor 'token_embd.weight' holds" \
+               " [50257, 32] for the model's 'transformer.wte.weight', which is [50257, 16]" in message
