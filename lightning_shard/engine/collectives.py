@@ -49,6 +49,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_shard.engine.progress import RECORD, Activity, about
 from lightning_shard.engine.stall import wait_timeout, watching
+from lightning_shard.engine.torch_compat import all_gather_single, reduce_scatter_single
 
 
 @dataclass
@@ -102,7 +103,7 @@ def all_gather_flat(output: Tensor, shard: Tensor, group: ProcessGroup | None, a
     start = time.perf_counter()
     activity = RECORD.enter("all-gather")
     with record_function("lightning_shard::all_gather"), watching(activity):
-        work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
+        work = all_gather_single(output, shard, group=group, async_op=async_op)
     STATS.seconds += time.perf_counter() - start
     STATS.all_gather_bytes += output.numel() * output.element_size()
     return Pending(work, lambda: output, activity)
@@ -226,7 +227,7 @@ def reduce_scatter_sum(
     with record_function("lightning_shard::reduce_scatter"), watching(activity):
         if out is None:
             out = torch.empty(full.numel() // group_size, dtype=full.dtype, device=full.device)
-        work = dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
+        work = reduce_scatter_single(out, full, group=group, async_op=async_op)
     STATS.seconds += time.perf_counter() - start
     result = out
     return Pending(work, lambda: result.div_(divide_by) if divide_by != 1 else result, activity)
