@@ -489,3 +489,10 @@ def test_an_architecture_not_read_is_refused_on_every_rank(tmp_path: Path) -> No
     writer.close()
     for message in run_on_ranks(load_refused, 2, gpt2_config().to_dict(), str(tmp_path / "bert.gguf")):
         assert "the architecture 'bert' is not one GGUF is written or read for here" in message, message
+
+
+def test_a_gguf_file_given_as_a_checkpoint_says_how_to_load_it(tmp_path: Path) -> None:
+    from lightning_shard.checkpoint.foreign.sources import detect
+
+    with pytest.raises(CheckpointError, match=r"It is a GGUF model file: start a fit from it with .*load_gguf_into"):
+        detect(small_gguf(tmp_path / "m.gguf"))
