@@ -312,11 +312,14 @@ def fabric_from_gguf(rank: int, world_size: int, kind: str, path: str, save_to: 
         return model.eval()(input_ids=PROBE).logits.detach().clone()
 
 
-@pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
-def test_fabric_loads_a_quantised_llama_as_transformers_dequantises_it(dtype: str) -> None:
-    path = exported("llama", dtype)
+@pytest.mark.parametrize(("kind", "dtype"), [("llama", "f16"), ("llama", "bf16"), ("llama", "q8_0"), ("gpt2", "bf16"),
+                                           ("gpt2", "q8_0")])
+def test_fabric_loads_a_quantised_file_as_transformers_dequantises_it(kind: str, dtype: str) -> None:
+    """Each rank reads part of every tensor: Llama's rows (its q/k rows out of llama.cpp's order), GPT-2's transposed
+    weights as GGUF columns (of whole Q8_0 blocks: rank 1's half of c_attn starts inside the first block)."""
+    path = exported(kind, dtype)
     expected = transformers_logits(path)
-    for logits in run_on_ranks(fabric_from_gguf, 2, "llama", str(path), None):
+    for logits in run_on_ranks(fabric_from_gguf, 2, kind, str(path), None):
         torch.testing.assert_close(logits, expected)
 
 
