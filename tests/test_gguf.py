@@ -499,3 +499,18 @@ def test_a_gguf_file_given_as_a_checkpoint_says_how_to_load_it(tmp_path: Path) -
 
     with pytest.raises(CheckpointError, match=r"It is a GGUF model file: start a fit from it with .*load_gguf_into"):
         detect(small_gguf(tmp_path / "m.gguf"))
+
+
+def test_the_command_refuses_gguf_options_elsewhere_and_gguf_without_its_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_shard.cli import main
+
+    assert main(["export", "ckpt", str(tmp_path / "hf"), "--dtype", "q8_0"]) == 2
+    assert "--dtype q8_0 only apply to --format gguf" in capsys.readouterr().err
+    assert main(["export", "ckpt", str(tmp_path / "hf"), "--tokenizer", "tok"]) == 2
+    assert "--tokenizer only apply to --format gguf" in capsys.readouterr().err
+    assert main(["export", "ckpt", str(tmp_path / "m.gguf"), "--format", "gguf"]) == 2
+    assert "--format gguf needs --config, the model's config.json" in capsys.readouterr().err
+    assert main(["export", "ckpt", str(tmp_path / "m.gguf"), "--format", "gguf", "--base", "b", "--config", "c"]) == 2
+    assert "--base do not apply to --format gguf" in capsys.readouterr().err
