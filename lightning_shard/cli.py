@@ -160,12 +160,17 @@ def _export_gguf(args: argparse.Namespace) -> int:
     from lightning_shard.checkpoint.tools.gguf_export import export_gguf
 
     misplaced = _given(args, "--adapter-config", "--adapter-name", "--base", "--max-shard-size")
-    if misplaced or args.config is None:
-        why = f"{', '.join(misplaced)} do not apply" if misplaced else "--config (the model's config.json) is needed"
-        print(f"lightning-shard: {why} to --format gguf.", file=sys.stderr)
+    if misplaced:
+        print(f"lightning-shard: {', '.join(misplaced)} do not apply to --format gguf.", file=sys.stderr)
+        return 2
+    if args.config is None:
+        print("lightning-shard: --format gguf needs --config, the model's config.json (its metadata).", file=sys.stderr)
         return 2
     result = export_gguf(args.checkpoint_dir, args.output_dir, args.config, prefix=args.prefix, dtype=args.dtype,
                          tokenizer=args.tokenizer, overwrite=args.overwrite, weights=args.weights)
+    if result.skipped:
+        print(f"note: {len(result.skipped)} keys without the prefix {args.prefix!r} were left out:"
+              f" {', '.join(result.skipped)}")
     print(f"wrote {len(result.tensors)} {result.architecture} tensors to {result.output}")
     return 0
 

@@ -312,11 +312,14 @@ def fabric_from_gguf(rank: int, world_size: int, kind: str, path: str, save_to: 
         return model.eval()(input_ids=PROBE).logits.detach().clone()
 
 
-@pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
-def test_fabric_loads_a_quantised_llama_as_transformers_dequantises_it(dtype: str) -> None:
-    path = exported("llama", dtype)
+@pytest.mark.parametrize(("kind", "dtype"), [("llama", "f16"), ("llama", "bf16"), ("llama", "q8_0"), ("gpt2", "bf16"),
+                                           ("gpt2", "q8_0")])
+def test_fabric_loads_a_quantised_file_as_transformers_dequantises_it(kind: str, dtype: str) -> None:
+    """Each rank reads part of every tensor: Llama's rows (its q/k rows out of llama.cpp's order), GPT-2's transposed
+    weights as GGUF columns (of whole Q8_0 blocks: rank 1's half of c_attn starts inside the first block)."""
+    path = exported(kind, dtype)
     expected = transformers_logits(path)
-    for logits in run_on_ranks(fabric_from_gguf, 2, "llama", str(path), None):
+    for logits in run_on_ranks(fabric_from_gguf, 2, kind, str(path), None):
         torch.testing.assert_close(logits, expected)
 
 
@@ -368,3 +371,146 @@ def test_a_tensor_of_another_shape_is_named_with_the_file() -> None:
     for message in run_on_ranks(load_refused, 2, narrower, str(path)):
         assert f"The GGUF file {path} does not match the model's shapes: tensor 'token_embd.weight' holds" \
                " [50257, 32] for the model's 'transformer.wte.weight', which is [50257, 16]" in message
+
+
+# Hostile and damaged files #
+
+
+def small_gguf(path: Path, quantisation: Any = None) -> Path:
+    """A valid GGUF file of two small tensors and an array, written by the ``gguf`` package."""
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+    values = np.arange(4 * 32, dtype=np.float32).reshape(4, 32)
+    if quantisation is None:
+        writer.add_tensor("token_embd.weight", values)
+    else:
+        writer.add_tensor("token_embd.weight", gguf.quants.quantize(values, quantisation), raw_dtype=quantisation)
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def patched(path: Path, offset: int, value: int, fmt: str = "<Q") -> Path:
+    import struct
+
+    data = bytearray(path.read_bytes())
+    data[offset:offset + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    out = path.with_name(f"patched-{offset}.gguf")
+    out.write_bytes(bytes(data))
+    return out
+
+
+def tensor_field_offset(path: Path, tensor: str, part: str) -> int:
+    """Where, in ``path``, the tensor table entry of ``tensor`` holds ``part`` ("type" or "offset")."""
+    entry = next(t for t in gguf.GGUFReader(path).tensors if t.name == tensor).field
+    name_len, name, n_dims, dims = entry.parts[:4]
+    at_type = entry.offset + name_len.nbytes + name.nbytes + n_dims.nbytes + dims.nbytes
+    return int(at_type if part == "type" else at_type + 4)
+
+
+def refusal(path: Path) -> str:
+    from lightning_shard.checkpoint.foreign.gguf import read_gguf
+
+    with pytest.raises(CheckpointError) as raised:
+        read_gguf(path)
+    assert str(path) in str(raised.value)  # every refusal names the file
+    return str(raised.value)
+
+
+def test_a_valid_small_file_reads(tmp_path: Path) -> None:
+    from lightning_shard.checkpoint.foreign.gguf import read_gguf
+
+    file = read_gguf(small_gguf(tmp_path / "ok.gguf"))
+    assert file.architecture == "gpt2" and sorted(file.tensors) == ["output_norm.weight", "token_embd.weight"]
+
+
+def test_a_truncated_file_is_refused(tmp_path: Path) -> None:
+    ok = small_gguf(tmp_path / "ok.gguf")
+    expected = {30: "claims 3 metadata pairs; the file holds at most 0",  # cut in the header
+                ok.stat().st_size - 100: "past the end of the file"}  # cut in the tensor data
+    for size, message in expected.items():
+        cut = tmp_path / f"cut-{size}.gguf"
+        cut.write_bytes(ok.read_bytes()[:size])
+        assert message in refusal(cut)
+
+
+def test_absurd_counts_and_lengths_are_refused_before_they_are_walked(tmp_path: Path) -> None:
+    import time
+
+    ok = small_gguf(tmp_path / "ok.gguf")
+    tokens = gguf.GGUFReader(ok).fields["tokenizer.ggml.tokens"]
+    array_count = tokens.offset + 8 + len("tokenizer.ggml.tokens") + 4 + 4
+    cases = {
+        (16, 2**62): "claims 4611686018427387904 metadata pairs",  # the header's kv count
+        (8, 2**40): "claims 1099511627776 tensors",  # the header's tensor count
+        (24, 2**62): "past the end of the file",  # the first key's length
+        (array_count, 2**40): "claims an array of 1099511627776 values",
+    }
+    for (offset, value), expected in cases.items():
+        started = time.monotonic()
+        assert expected in refusal(patched(ok, offset, value))
+        assert time.monotonic() - started < 1.0  # bounded work: nothing walked
+
+
+def test_tensor_data_beyond_the_file_or_overlapping_is_refused(tmp_path: Path) -> None:
+    ok = small_gguf(tmp_path / "ok.gguf")
+    beyond = patched(ok, tensor_field_offset(ok, "output_norm.weight", "offset"), 2**40)
+    assert "the data of tensor 'output_norm.weight' (bytes" in refusal(beyond)
+    assert "goes past the end of the file" in refusal(beyond)
+    overlapping = patched(ok, tensor_field_offset(ok, "output_norm.weight", "offset"), 0)
+    assert "the data of tensors 'output_norm.weight' and 'token_embd.weight' overlap" in refusal(overlapping)
+
+
+def test_unknown_and_unread_tensor_types_are_refused(tmp_path: Path) -> None:
+    ok = small_gguf(tmp_path / "ok.gguf")
+    unknown = patched(ok, tensor_field_offset(ok, "token_embd.weight", "type"), 999, "<I")
+    assert "tensor 'token_embd.weight' has the unknown type 999" in refusal(unknown)
+    q4 = small_gguf(tmp_path / "q4.gguf", gguf.GGMLQuantizationType.Q4_0)
+    assert "tensors of a type not read here: token_embd.weight (Q4_0); the types read are F32, F16, BF16, Q8_0" \
+        in refusal(q4)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(60))
+    assert "is not a GGUF file" in refusal(tmp_path / "x.gguf")
+
+
+def test_an_architecture_not_read_is_refused_on_every_rank(tmp_path: Path) -> None:
+    import numpy as np
+
+    writer = gguf.GGUFWriter(tmp_path / "bert.gguf", "bert")
+    writer.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for message in run_on_ranks(load_refused, 2, gpt2_config().to_dict(), str(tmp_path / "bert.gguf")):
+        assert "the architecture 'bert' is not one GGUF is written or read for here" in message, message
+
+
+def test_a_gguf_file_given_as_a_checkpoint_says_how_to_load_it(tmp_path: Path) -> None:
+    from lightning_shard.checkpoint.foreign.sources import detect
+
+    with pytest.raises(CheckpointError, match=r"It is a GGUF model file: start a fit from it with .*load_gguf_into"):
+        detect(small_gguf(tmp_path / "m.gguf"))
+
+
+def test_the_command_refuses_gguf_options_elsewhere_and_gguf_without_its_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_shard.cli import main
+
+    assert main(["export", "ckpt", str(tmp_path / "hf"), "--dtype", "q8_0"]) == 2
+    assert "--dtype q8_0 only apply to --format gguf" in capsys.readouterr().err
+    assert main(["export", "ckpt", str(tmp_path / "hf"), "--tokenizer", "tok"]) == 2
+    assert "--tokenizer only apply to --format gguf" in capsys.readouterr().err
+    assert main(["export", "ckpt", str(tmp_path / "m.gguf"), "--format", "gguf"]) == 2
+    assert "--format gguf needs --config, the model's config.json" in capsys.readouterr().err
+    assert main(["export", "ckpt", str(tmp_path / "m.gguf"), "--format", "gguf", "--base", "b", "--config", "c"]) == 2
+    assert "--base do not apply to --format gguf" in capsys.readouterr().err
