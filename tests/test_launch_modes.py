@@ -101,13 +101,13 @@ def test_a_fabric_job_resumed_with_fabric_load_in_fresh_processes_ends_where_the
     tmp_path: Path,
 ) -> None:
     """``fabric.load`` reads the model's and the optimizer's rows in one pass; a resume that missed either (other
-    seed: every weight and moment must come from the checkpoint) would end elsewhere."""
+    seed: every weight and moment must come from the checkpoint) would end elsewhere. The uninterrupted job saves
+    after its first step too: the checkpoint the other job resumes from."""
     from safetensors.torch import load_file
 
     from lightning_shard import consolidate
 
-    _fabric_job(str(tmp_path / "uninterrupted"), "--steps", "3")
-    _fabric_job(str(tmp_path / "first"), "--steps", "1")
+    _fabric_job(str(tmp_path / "uninterrupted"), "--steps", "3", "--save-first", str(tmp_path / "first"))
     _fabric_job(str(tmp_path / "resumed"), "--steps", "3", "--resume", str(tmp_path / "first"))
     ends = {}
     for run in ("uninterrupted", "resumed"):

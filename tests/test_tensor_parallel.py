@@ -31,17 +31,12 @@ def _losses(root: Path, name: str, ranks: int) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The five launches: DDP (the oracle), (dp=2, tp=2) saving after step 3, that checkpoint resumed at
-    (dp=2, tp=1) (saving after step 6) and at (dp=1, tp=2), and the (dp=2, tp=1) checkpoint resumed at (dp=2, tp=2)."""
+    """Three launches: DDP (the oracle) with a (dp=2, tp=1) checkpoint after step 3; (dp=2, tp=2) saving after step
+    3, then resuming the (2, 1) checkpoint at (2, 2); the (2, 2) checkpoint resumed at (2, 1) and at (1, 2)."""
     root = tmp_path_factory.mktemp("tensor_parallel")
     _launch(root, "--role", "reference", "--devices", "2")
     _launch(root, "--role", "tp", "--devices", "4")
-    _launch(root, "--role", "resume", "--devices", "2", "--tensor-parallel-size", "1", "--resume",
-            str(root / "tp-ckpt"), "--steps", "6", "--save", str(root / "tp1-ckpt"), "--name", "tp1")  # fmt: skip
-    _launch(root, "--role", "resume", "--devices", "2", "--tensor-parallel-size", "2", "--resume",
-            str(root / "tp-ckpt"), "--steps", "6", "--name", "dp1")  # fmt: skip
-    _launch(root, "--role", "resume", "--devices", "4", "--tensor-parallel-size", "2", "--resume",
-            str(root / "tp1-ckpt"), "--steps", "8", "--name", "back")  # fmt: skip
+    _launch(root, "--role", "resume", "--devices", "2")
     return root
 
 
@@ -71,7 +66,7 @@ def test_bf16_mixed_trains_close_to_ddp_in_bf16_mixed(runs: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "ranks", "steps"),
-    [("tp1", 2, slice(3, 6)), ("dp1", 2, slice(3, 6)), ("back", 4, slice(6, 8))],
+    [("tp1", 2, slice(3, 6)), ("dp1", 2, slice(3, 6)), ("back", 4, slice(3, 8))],
     ids=["(2,2)->(2,1)", "(2,2)->(1,2)", "(2,1)->(2,2)"],
 )
 def test_a_checkpoint_resumes_at_other_data_and_tensor_parallel_sizes(

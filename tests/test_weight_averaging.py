@@ -59,7 +59,8 @@ def test_weight_averaging_matches_ddp(callback: str) -> None:
 
 def resumable_fit(rank: int, world_size: int, directory: str, steps: int, resume: str | None) -> dict[str, Tensor]:
     """EMA over 12 steps; every rank sees the same batches (no distributed sampler), so the run does not depend on
-    the world size. Without ``resume`` it saves a checkpoint after step 6 into ``directory``."""
+    the world size. Without ``resume`` it saves a checkpoint after step 6 into ``directory``; with it, Lightning's
+default checkpoint goes there too (not into the working directory)."""
     L.seed_everything(0)
     module = LitModel("mlp")
     callbacks: list[Any] = [EMAWeightAveraging(decay=0.8)]
@@ -70,6 +71,7 @@ def resumable_fit(rank: int, world_size: int, directory: str, steps: int, resume
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks,
         limit_train_batches=6,  # the save after step 6 ends an epoch: resuming starts the next one
+        default_root_dir=directory,  # where Lightning's own checkpoint of a resumed run goes
     )
     trainer.fit(module, train_dataloaders=loader("mlp"), ckpt_path=resume)
     return _full_weights(strategy, module)

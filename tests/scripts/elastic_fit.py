@@ -6,7 +6,8 @@ world size, with the same global batch:
 
 Global rank 0 appends one JSON line per step to ``<root>/losses.jsonl``: the step, the loss averaged over all ranks
 (the loss of the global batch), the world size and torchrun's restart count. Each worker writes its process id to
-``<root>/worker-<agent pid>-<local rank>`` when training starts, for the test to take a node down.
+``<root>/worker-<agent pid>-<local rank>`` when training starts, for the test to take a node down. ``uninterrupted``
+runs the same fit on ``run_on_ranks``' ranks: the reference.
 """
 
 import argparse
@@ -55,6 +56,30 @@ class ElasticModel(LitModel):
         return loss
 
 
+def fit(root: Path, max_steps: int, step_sleep: float, devices: int, num_nodes: int) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    root.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=ShardStrategy(auto_wrap_policy={MLPBlock}),
+        max_steps=max_steps,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=2, save_top_k=0, save_last=True)],
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(ElasticModel(root, step_sleep), ckpt_path="last")  # the newest complete checkpoint, if any
+    return trainer
+
+
+def uninterrupted(rank: int, world_size: int, root: str, max_steps: int) -> None:
+    """The same fit on ``run_on_ranks``' ranks, never interrupted: the reference ``<root>/losses.jsonl``."""
+    fit(Path(root), max_steps, 0.0, devices=world_size, num_nodes=1)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, required=True)
@@ -62,22 +87,7 @@ if __name__ == "__main__":
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    args.root.mkdir(parents=True, exist_ok=True)
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=local_world_size,
-        num_nodes=int(os.environ["WORLD_SIZE"]) // local_world_size,  # as many nodes as this (re)start has
-        strategy=ShardStrategy(auto_wrap_policy={MLPBlock}),
-        max_steps=args.max_steps,
-        logger=False,
-        callbacks=[
-            ModelCheckpoint(dirpath=args.root / "checkpoints", every_n_train_steps=2, save_top_k=0, save_last=True)
-        ],
-        default_root_dir=args.root,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(ElasticModel(args.root, args.step_sleep), ckpt_path="last")  # the newest complete checkpoint, if any
+    nodes = int(os.environ["WORLD_SIZE"]) // local_world_size  # as many nodes as this (re)start has
+    trainer = fit(args.root, args.max_steps, args.step_sleep, local_world_size, nodes)
     print(f"rank {trainer.global_rank} of {trainer.world_size} finished at step {trainer.global_step}", flush=True)

@@ -1,10 +1,10 @@
 """A Fabric job with ``ShardStrategy`` that trains a TinyGPT for ``--steps`` AdamW steps and saves with
 ``fabric.save``; with ``--resume``, it first loads that checkpoint with ``fabric.load`` (the model's and the
-optimizer's rows in one read) and trains on from its step. Lightning's launcher starts the ranks; the strategy
-creates the process group.
+optimizer's rows in one read) and trains on from its step; with ``--save-first DIR``, it also saves after its first
+step (to DIR) and trains on. Lightning's launcher starts the ranks; the strategy creates the process group.
 
-    python tests/scripts/fabric_resume.py OUT --steps 2
-    python tests/scripts/fabric_resume.py OUT --steps 2 --resume FIRST
+    python tests/scripts/fabric_resume.py OUT --steps 3 --save-first FIRST
+    python tests/scripts/fabric_resume.py OUT --steps 3 --resume FIRST
 """
 
 import argparse
@@ -25,6 +25,7 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--resume")
+    parser.add_argument("--save-first")
     args = parser.parse_args()
     torch.set_num_threads(1)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardStrategy(auto_wrap_policy={GPTBlock}))
@@ -41,5 +42,7 @@ if __name__ == "__main__":
         fabric.backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[4 * step : 4 * step + 4].reshape(-1)))
         optimizer.step()
         optimizer.zero_grad()
+        if step == 0 and args.save_first:
+            fabric.save(args.save_first, {**state, "step": 1})
     state["step"] = args.steps
     fabric.save(args.out, state)

@@ -3,6 +3,8 @@
     python tests/scripts/preempt_fit.py --root /tmp/run --max-steps 10             # runs until SIGTERM, or to the end
     python tests/scripts/preempt_fit.py --root /tmp/run --max-steps 10 --resume    # fit(ckpt_path="last")
 
+``uninterrupted_losses`` runs the same fit on ``run_on_ranks``' ranks, never signalled: the reference.
+
 Each rank writes ``pid-<rank>`` under ``--root`` once training runs (for the test to signal it), and
 ``losses-<rank>.json``: the loss of every global step this process trained. The data order is restorable: the
 ``GlobalBatchLoader``'s position is saved in the checkpoint and restored by ``fit(ckpt_path="last")``.
@@ -48,6 +50,30 @@ class PreemptibleModel(LitModel):
         return loss
 
 
+def trainer_and_model(root: Path, max_steps: int, step_sleep: float = 0.0) -> tuple[L.Trainer, PreemptibleModel]:
+    L.seed_everything(0, verbose=False)
+    root.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardStrategy(auto_wrap_policy={MLPBlock}),
+        max_steps=max_steps,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=root / "checkpoints")],
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return trainer, PreemptibleModel(root, step_sleep)
+
+
+def uninterrupted_losses(rank: int, world_size: int, root: str, max_steps: int) -> dict[int, float]:
+    """The same fit, never signalled, on ``run_on_ranks``' two ranks: the loss of every global step."""
+    trainer, model = trainer_and_model(Path(root), max_steps)
+    trainer.fit(model)
+    return model.step_losses
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, required=True)
@@ -56,20 +82,7 @@ if __name__ == "__main__":
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    args.root.mkdir(parents=True, exist_ok=True)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ShardStrategy(auto_wrap_policy={MLPBlock}),
-        max_steps=args.max_steps,
-        logger=False,
-        callbacks=[ModelCheckpoint(dirpath=args.root / "checkpoints")],
-        default_root_dir=args.root,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    model = PreemptibleModel(args.root, args.step_sleep)
+    trainer, model = trainer_and_model(args.root, args.max_steps, args.step_sleep)
     status = "finished"
     try:
         trainer.fit(model, ckpt_path="last" if args.resume else None)

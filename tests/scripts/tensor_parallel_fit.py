@@ -1,21 +1,22 @@
 """Tensor parallelism composed with sharding, run the way a user runs it: fresh scripts under Lightning's launcher
-(``python``), where ``ShardStrategy`` itself creates the process group. Each role is one launch:
+(``python``), where ``ShardStrategy`` itself creates the process group. Each role is one launch, in this order:
 
     python tests/scripts/tensor_parallel_fit.py --role reference --devices 2 --root /tmp/tp   # DDP, the oracle
     python tests/scripts/tensor_parallel_fit.py --role tp --devices 4 --root /tmp/tp          # (dp=2, tp=2)
-    python tests/scripts/tensor_parallel_fit.py --role resume --devices 2 --tensor-parallel-size 1 \\
-        --resume /tmp/tp/tp-ckpt --steps 6 --name tp1 --root /tmp/tp
+    python tests/scripts/tensor_parallel_fit.py --role resume --devices 2 --root /tmp/tp      # at (2, 1) and (1, 2)
 
 ``reference`` (DDP): our GPT for 8 steps in fp32 and 4 in bf16-mixed (Trainer), 4 steps in Fabric, Hugging Face Llama
 for 3 steps; the Trainer and Fabric with ShardStrategy and the model built on the meta device (``trainer_meta``,
-``fabric_meta``). ``tp`` (ShardStrategy, ``tensor_parallel_size=2``; each LightningModule applies its plan on
+``fabric_meta``); and ShardStrategy at (dp=2, tp=1) for 3 steps in fp32, saved to ``<root>/tp1-ckpt``. ``tp``
+(ShardStrategy, ``tensor_parallel_size=2``; each LightningModule applies its plan on
 ``self.device_mesh["tensor_parallel"]`` in ``configure_model``, as under ModelParallelStrategy without
 ``fully_shard``): the same fits (fp32 for 3 steps, then a checkpoint to ``<root>/tp-ckpt``), Fabric with
 ``parallelize_fn``, both also with the model built on the meta device (``trainer_meta``, ``fabric_meta``), Llama with
-the plan its config carries, and Lightning's ModelParallelStrategy + ``fully_shard`` with the same plan for 3 steps.
-``resume``: our GPT resumed from ``--resume`` at the given sizes up to ``--steps``, optionally saving ``--save``.
-Every rank writes ``<root>/<name>-<rank>.pt``: the losses of each fit, each the mean over the global batch (what every
-rank logs).
+the plan its config carries, Lightning's ModelParallelStrategy + ``fully_shard`` with the same plan for 3 steps, and
+``<root>/tp1-ckpt`` resumed at (2, 2) up to step 8 (``back``). ``resume``: ``<root>/tp-ckpt`` resumed at (2, 1)
+(``tp1``) and at (1, 2) (``dp1``), each up to step 6.
+Every rank writes ``<root>/<name>-<rank>.pt`` for each role (``back``, ``tp1`` and ``dp1`` on their own): the losses
+of each fit, each the mean over the global batch (what every rank logs).
 """
 
 import argparse
@@ -203,9 +204,10 @@ def ours(tp: int, kind: str = "gpt") -> lightning_shard.ShardStrategy:
     return lightning_shard.ShardStrategy(auto_wrap_policy={block}, tensor_parallel_size=tp)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(root: Path, role: str) -> dict[str, dict[str, Any]]:
+    """What each file ``<root>/<name>-<rank>.pt`` holds, by name."""
     out: dict[str, Any] = {}
-    if args.role == "reference":
+    if role == "reference":
         out["fp32"] = trainer_fit("ddp", 2, 8)
         out["bf16"] = trainer_fit("ddp", 2, 4, precision="bf16-mixed")
         out["llama"] = trainer_fit("ddp", 2, 3, kind="llama")
@@ -214,8 +216,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["trainer_meta"] = trainer_fit(ours(1), 2, 3, meta=True)
         meta = lightning_shard.fabric.ShardStrategy(auto_wrap_policy={Block})
         out["fabric_meta"] = fabric_fit(meta, 2, empty_init=True)
-    elif args.role == "tp":
-        out["fp32"] = trainer_fit(ours(2), 2, 3, save=args.root / "tp-ckpt")
+        trainer_fit(ours(1), 2, 3, save=root / "tp1-ckpt")  # for the tp role to resume at (2, 2)
+        return {"reference": out}
+    if role == "tp":
+        out["fp32"] = trainer_fit(ours(2), 2, 3, save=root / "tp-ckpt")
         out["bf16"] = trainer_fit(ours(2), 2, 4, precision="bf16-mixed")
         out["llama"] = trainer_fit(ours(2, "llama"), 2, 3, kind="llama")
         out["trainer_meta"] = trainer_fit(ours(2), 2, 3, meta=True)
@@ -237,27 +241,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         out["fabric"] = fabric_fit(fabric_strategy(), 2)
         out["fabric_meta"] = fabric_fit(fabric_strategy(), 2, empty_init=True)
-    else:
-        tp = args.tensor_parallel_size
-        data_parallel = args.devices // tp
-        out["fp32"] = trainer_fit(ours(tp), data_parallel, args.steps, resume=args.resume, save=args.save)
-    return out
+        back = trainer_fit(ours(2), 2, 8, resume=root / "tp1-ckpt")
+        return {"tp": out, "back": {"fp32": back}}
+    # One process group, two meshes in turn: each fit's strategy builds its own.
+    tp1 = trainer_fit(ours(1), 2, 6, resume=root / "tp-ckpt")
+    dp1 = trainer_fit(ours(2), 1, 6, resume=root / "tp-ckpt")
+    return {"tp1": {"fp32": tp1}, "dp1": {"fp32": dp1}}
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--role", choices=["reference", "tp", "resume"], required=True)
     parser.add_argument("--devices", type=int, required=True)
-    parser.add_argument("--tensor-parallel-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--resume", type=Path)
-    parser.add_argument("--save", type=Path)
-    parser.add_argument("--name")
     parser.add_argument("--root", type=Path, required=True)
     ARGS = parser.parse_args()
     torch.set_num_threads(1)
     created = not dist.is_initialized()
-    result = run(ARGS)
-    result["created"] = created
     ARGS.root.mkdir(parents=True, exist_ok=True)
-    torch.save(result, ARGS.root / f"{ARGS.name or ARGS.role}-{dist.get_rank()}.pt")
+    for name, result in run(ARGS.root, ARGS.role).items():
+        torch.save({**result, "created": created}, ARGS.root / f"{name}-{dist.get_rank()}.pt")
