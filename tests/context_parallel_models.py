@@ -4,9 +4,11 @@ projections (a tensor-parallel plan splits each by heads), learned position embe
 
 from __future__ import annotations
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 VOCAB, DIM, HEADS, SEQ = 61, 32, 4, 16
 
@@ -69,3 +71,40 @@ def token_batches(steps: int, batch: int, seq: int = SEQ, seed: int = 1) -> list
 
 def lm_loss(model: nn.Module, x: Tensor, y: Tensor, position_ids: Tensor) -> Tensor:
     return F.cross_entropy(model(x, position_ids).flatten(0, 1), y.flatten())
+
+
+class LitCausalLM(L.LightningModule):
+    """``CausalLM`` on batches of (tokens, next tokens, position ids), as a user writes it: nothing in it knows of
+    context parallelism. Records the loss ``training_step`` returns; SGD with momentum (its step is proportional to
+    the gradient, so rounding-level gradients stay rounding-level weights)."""
+
+    def __init__(self, tensor_parallel: bool = False) -> None:
+        super().__init__()
+        self.tensor_parallel = tensor_parallel
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        self.model = CausalLM()
+        if self.tensor_parallel:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            for block in self.model.blocks:
+                parallelize_module(block, self.device_mesh["tensor_parallel"], tensor_parallel_plan())
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y, position_ids = batch
+        loss = lm_loss(self.model, x, y, position_ids)
+        self.log("loss", loss)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+def token_loader(batch: int = 2, samples: int = 48, seq: int = SEQ) -> DataLoader:
+    """(tokens, next tokens, position ids) of ``samples`` sequences, ``batch`` per data-parallel rank."""
+    (x, y, pos), = token_batches(1, samples, seq)
+    return DataLoader(TensorDataset(x, y, pos.contiguous()), batch_size=batch)

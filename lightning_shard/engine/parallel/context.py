@@ -35,6 +35,7 @@ part's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,6 +120,18 @@ class ContextParallel:
         return tree_unflatten([cut(leaf) for _, leaf in leaves], spec)
 
     # Steps #
+
+    def attach(self, module: nn.Module) -> None:
+        """Make every outermost call of ``module`` a step on a split batch: its arguments are ``split`` and it runs
+        as under ``step`` (calls of ``module`` inside it, a LightningModule's ``self(x)`` in its ``training_step``,
+        are part of that step). Replaces what an earlier ``attach`` on ``module`` did."""
+        for handle in _ATTACHED.pop(module, ()):
+            handle.remove()
+        hooks = _StepHooks(self)
+        _ATTACHED[module] = (
+            module.register_forward_pre_hook(hooks.enter, with_kwargs=True),
+            module.register_forward_hook(hooks.exit, always_call=True),
+        )
 
     @contextmanager
     def step(self, module: nn.Module) -> Iterator[None]:
@@ -218,6 +231,36 @@ class _AllReduceSum(torch.autograd.Function):
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
+
+class _StepHooks:
+    """The forward hooks ``attach`` registers: the outermost call splits its arguments and runs in a ``_StepMode``,
+    which its forward hook leaves (also when the forward raised: ``always_call``)."""
+
+    def __init__(self, context: ContextParallel) -> None:
+        self.context = context
+        self.depth = 0  # calls of the module in progress
+        self.mode: _StepMode | None = None
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self.depth += 1
+        if self.depth > 1:  # a call inside the step: its arguments are split already
+            return None
+        args, kwargs = self.context.split((args, kwargs))
+        self.mode = _StepMode(self.context)
+        self.mode.__enter__()
+        return args, kwargs
+
+    def exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth -= 1
+        if self.depth > 0 or self.mode is None:  # inside the step, or the split itself raised
+            return
+        mode, self.mode = self.mode, None
+        mode.__exit__(None, None, None)
+        if mode.attention_calls == 0 and output is not None:  # None: the forward raised
+            raise ContextParallelError(_unreachable_attention(module, self.context.size))
+
+
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
