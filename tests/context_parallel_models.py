@@ -108,3 +108,29 @@ def token_loader(batch: int = 2, samples: int = 48, seq: int = SEQ) -> DataLoade
     """(tokens, next tokens, position ids) of ``samples`` sequences, ``batch`` per data-parallel rank."""
     (x, y, pos), = token_batches(1, samples, seq)
     return DataLoader(TensorDataset(x, y, pos.contiguous()), batch_size=batch)
+
+
+class LitLlama(LitCausalLM):
+    """A Hugging Face Llama (grouped-query attention, rotary embeddings from ``position_ids``) through its SDPA
+    attention. The attention mask of ones tells transformers the sequences are not packed: without one it reads the
+    jumps in the load-balanced position ids as the starts of packed sequences."""
+
+    def configure_model(self) -> None:
+        import transformers
+
+        if hasattr(self, "model"):
+            return
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
+            num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=4 * SEQ,
+            tie_word_embeddings=False, attn_implementation="sdpa",
+        )  # fmt: skip
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y, position_ids = batch
+        logits = self.model(input_ids=x, position_ids=position_ids, attention_mask=torch.ones_like(x)).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("loss", loss)
+        self.losses.append(loss.item())
+        return loss
