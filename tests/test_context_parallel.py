@@ -129,3 +129,20 @@ def test_fabric_trains_as_the_whole_model_when_the_forward_computes_the_loss() -
         torch.testing.assert_close(result["losses"], result["ref_losses"], msg=f"losses, rank {rank}")
         for name, value in result["reference"].items():
             torch.testing.assert_close(result["params"][name], value, msg=f"{name}, rank {rank}")
+
+
+def test_sizes_that_do_not_fill_the_world_are_refused_before_any_process_group() -> None:
+    from lightning_shard.common.distributed import ParallelSizeError, parallel_sizes
+    from lightning_shard.common.options import ShardOptions
+
+    options = ShardOptions.parse(context_parallel_size=2, tensor_parallel_size=2)
+    assert parallel_sizes(options, 1, 8) == (2, 2)
+    with pytest.raises(ParallelSizeError, match="`context_parallel_size=2`"):
+        parallel_sizes(options, 1, 6)
+
+
+def test_activation_checkpointing_with_context_parallelism_is_refused() -> None:
+    with pytest.raises(ValueError, match="context_parallel_size=2 with activation checkpointing is not supported"):
+        ShardStrategy(context_parallel_size=2, activation_checkpointing_policy={Block})
+    with pytest.raises(ValueError, match="context_parallel_size must be"):
+        ShardStrategy(context_parallel_size=0)
