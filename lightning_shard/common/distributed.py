@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.mesh import ShardMesh, build_shard_mesh, mesh_shape
+from lightning_shard.engine.parallel import ContextParallel, ParallelDims
 from lightning_shard.engine.policies import ShardingStrategy
 from lightning_shard.engine.progress import RECORD, start_publishing, stop_publishing
 from lightning_shard.engine.stall import bound_waits, rendezvous_timeout, watching
@@ -89,21 +90,23 @@ def reduce_tensor(tensor: Tensor, group: Any | None, reduce_op: ReduceOp | str |
 
 
 class ParallelSizeError(ValueError, RuntimeError):
-    """``data_parallel_size`` and ``tensor_parallel_size`` do not multiply to the world size: a bad argument value
-    (``ValueError``), and the ``RuntimeError`` ``ModelParallelStrategy`` raises for it."""
+    """``data_parallel_size``, ``context_parallel_size`` and ``tensor_parallel_size`` do not multiply to the world
+    size: a bad argument value (``ValueError``), and the ``RuntimeError`` ``ModelParallelStrategy`` raises for it."""
 
 
 def parallel_sizes(options: ShardOptions, num_nodes: int, num_processes: int) -> tuple[int, int]:
-    """``(data_parallel_size, tensor_parallel_size)`` on ``num_nodes`` x ``num_processes`` ranks; sizes whose
-    product is not the world size raise ``ParallelSizeError``. Needs no process group."""
-    world, tp = num_nodes * num_processes, options.tensor_parallel_size
-    data_parallel = options.data_parallel_size or world // tp
-    if world % tp or data_parallel * tp != world:
+    """``(data_parallel_size, tensor_parallel_size)`` on ``num_nodes`` x ``num_processes`` ranks (each data-parallel
+    rank holding ``context_parallel_size`` x ``tensor_parallel_size`` ranks); sizes whose product is not the world
+    size raise ``ParallelSizeError``. Needs no process group."""
+    world, tp, cp = num_nodes * num_processes, options.tensor_parallel_size, options.context_parallel_size
+    data_parallel = options.data_parallel_size or world // (cp * tp)
+    if world % (cp * tp) or data_parallel * cp * tp != world:
+        context = f" x `context_parallel_size={cp}`" if cp > 1 else ""
         raise ParallelSizeError(
-            f"The sizes `data_parallel_size={options.data_parallel_size or 'auto'}` and `tensor_parallel_size={tp}`"
-            f" multiplied should equal the world size ({world}). With num_nodes={num_nodes} x devices={num_processes},"
-            f" choose sizes whose product is {world}, or leave data_parallel_size='auto' with a tensor_parallel_size"
-            f" that divides {world}."
+            f"The sizes `data_parallel_size={options.data_parallel_size or 'auto'}`{context} and"
+            f" `tensor_parallel_size={tp}` multiplied should equal the world size ({world}). With"
+            f" num_nodes={num_nodes} x devices={num_processes}, choose sizes whose product is {world}, or leave"
+            f" data_parallel_size='auto' with sizes whose product divides {world}."
         )
     return data_parallel, tp
 
@@ -118,29 +121,38 @@ def start_mesh(
 ) -> tuple[ShardMesh, DeviceMesh]:
     """Initialise the process group (unless one exists) and build this rank's ``(replicas, shard_size)`` mesh, and
     the ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` a tensor-parallel plan is applied on (see [Note: the
-    data-parallel ranks under tensor parallelism]; of shape ``(world, 1)`` without tensor parallelism).
+    data-parallel ranks under tensor parallelism]; of shape ``(world, 1)`` without tensor parallelism). With
+    ``context_parallel_size > 1`` the ``DeviceMesh`` is ``("data_parallel", "context_parallel", "tensor_parallel")``,
+    the engine shards over the data x context ranks of each tensor-parallel coordinate, and the mesh carries the
+    context parallelism its model's steps run under.
 
     The meshes are validated on every rank before any collective, so bad sizes cannot hang the others;
     ``HYBRID_SHARD`` without ``device_mesh`` shards inside a node and replicates across nodes: ``(num_nodes,
     num_processes / tensor_parallel_size)``.
     """
     data_parallel, tp = parallel_sizes(options, num_nodes, num_processes)
+    sharded = data_parallel * options.context_parallel_size  # the ranks the engine shards over: data x context
     device_mesh = options.device_mesh
     if options.sharding_strategy is ShardingStrategy.HYBRID_SHARD and device_mesh is None:
-        device_mesh = (num_nodes, data_parallel // num_nodes) if data_parallel % num_nodes == 0 else None
-    mesh_shape(options.sharding_strategy, data_parallel, device_mesh)
+        device_mesh = (num_nodes, sharded // num_nodes) if sharded % num_nodes == 0 else None
+    mesh_shape(options.sharding_strategy, sharded, device_mesh)
     owns = init_process_group(cluster_environment, backend, options.timeout, device)
     start_publishing(
         dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), options.timeout
     )
-    if tp > 1:
+    cp = options.context_parallel_size
+    if cp > 1:  # ("data_parallel", "context_parallel", "tensor_parallel"); the engine shards over data x context
+        tensor_parallel_mesh = ParallelDims(data_parallel, cp, tp).build_mesh(device.type)
+    elif tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         tensor_parallel_mesh = init_device_mesh(
             device.type, (data_parallel, tp), mesh_dim_names=("data_parallel", "tensor_parallel")
         )
     mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend, tensor_parallel_size=tp)
-    if tp == 1:
+    if cp > 1:
+        mesh.context_parallel = ContextParallel.of(tensor_parallel_mesh["context_parallel"])
+    elif tp == 1:
         tensor_parallel_mesh = _data_parallel_only_mesh(mesh, device.type)
     if owns:
         for group in mesh.owned_groups:

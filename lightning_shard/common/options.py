@@ -64,7 +64,8 @@ class ShardOptions:
     timeout: timedelta  # how long any rank waits in one collective before StalledRanksError
     process_group_backend: str | None
     tensor_parallel_size: int = 1  # see [Note: the data-parallel ranks under tensor parallelism]
-    data_parallel_size: int | None = None  # None: "auto", the world size / tensor_parallel_size
+    data_parallel_size: int | None = None  # None: "auto", the world size / (context x tensor_parallel_size)
+    context_parallel_size: int = 1  # see lightning_shard.engine.parallel.context
 
     @classmethod
     def parse(
@@ -90,6 +91,7 @@ class ShardOptions:
         sync_module_states: bool = True,
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
+        context_parallel_size: int = 1,
     ) -> ShardOptions:
         """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values.
 
@@ -120,6 +122,13 @@ class ShardOptions:
                 " (precision='bf16-mixed' on the Trainer or Fabric)."
             )
         strategy = ShardingStrategy.parse(sharding_strategy_name(sharding_strategy))
+        context_parallel_size = _positive_int(context_parallel_size, "context_parallel_size")
+        if context_parallel_size > 1 and activation_checkpointing_policy is not None:
+            raise ValueError(
+                f"context_parallel_size={context_parallel_size} with activation checkpointing is not supported: the"
+                " recomputation in backward runs the attention outside the step that makes it see the whole"
+                " sequence. Drop activation_checkpointing_policy, or use context_parallel_size=1."
+            )
         return cls(
             sharding_strategy=strategy,
             wrap_policy=resolve_wrap_policy(auto_wrap_policy),
@@ -141,6 +150,7 @@ class ShardOptions:
             data_parallel_size=None if data_parallel_size == "auto" else _positive_int(
                 data_parallel_size, "data_parallel_size", "or 'auto'"
             ),
+            context_parallel_size=context_parallel_size,
         )
 
 
@@ -265,6 +275,10 @@ class ShardOptionsMixin:
     @property
     def tensor_parallel_size(self) -> int:
         return self.options.tensor_parallel_size
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.options.context_parallel_size
 
 
 def _checkpointing_policy(

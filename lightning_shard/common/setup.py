@@ -50,6 +50,8 @@ def setup_sharded_module(
         engine.buffer_sync.broadcast()
     if options.checkpointing_policy is not None:
         apply_activation_checkpointing(module, options.checkpointing_policy)
+    if mesh.context_parallel is not None:  # every call of the module is a step on a split batch
+        mesh.context_parallel.attach(module)
     _move_param_free_modules(module, device)
     return engine
 

@@ -49,15 +49,17 @@ class ShardStrategyMixin(ShardOptionsMixin):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Data split over the data-parallel ranks: the ranks of one tensor-parallel group see the same batches."""
-        tp = self.options.tensor_parallel_size
-        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
+        """Data split over the data-parallel ranks: the ranks of one context x tensor-parallel block see the same
+        batches (the context-parallel ranks then split each batch's sequences)."""
+        block = self.options.tensor_parallel_size * self.options.context_parallel_size
+        return {"num_replicas": self.num_nodes * self.num_processes // block, "rank": self.global_rank // block}
 
     @property
     def device_mesh(self) -> DeviceMesh:
         """The ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` (as ``ModelParallelStrategy``'s) that a
         tensor-parallel plan is applied on (its tensor-parallel size is ``tensor_parallel_size``, 1 by default);
-        exists once the processes are set up."""
+        with ``context_parallel_size > 1``, ``("data_parallel", "context_parallel", "tensor_parallel")``. Exists once
+        the processes are set up."""
         if self._tensor_parallel_mesh is None:
             raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
         return self._tensor_parallel_mesh

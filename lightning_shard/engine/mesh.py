@@ -47,6 +47,8 @@ from lightning_shard.engine.policies import ShardingStrategy
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_shard.engine.parallel.context import ContextParallel
+
 
 @dataclass
 class ShardMesh:
@@ -78,6 +80,9 @@ class ShardMesh:
     tensor_parallel_group: ProcessGroup | None = None
     tensor_parallel_parts: set[int] = field(default_factory=set)
     tensor_parallel_root: DeviceMesh | None = None  # the plan's ("data_parallel", "tensor_parallel") mesh
+    # The context-parallel group whose ranks split each sequence (they are among this mesh's ranks, which shard and
+    # reduce over them as over data-parallel ones); ``None`` without context parallelism.
+    context_parallel: ContextParallel | None = None
     _device_mesh: _DeviceMeshCache | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

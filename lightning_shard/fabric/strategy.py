@@ -88,6 +88,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     device_mesh)`` (the function Fabric's ``ModelParallelStrategy`` takes, without its ``fully_shard`` calls) applies
     the tensor-parallel plan in ``setup_module`` on ``strategy.device_mesh``, the ``("data_parallel",
     "tensor_parallel")`` mesh, before the strategy shards the model (see docs/tensor_parallel.md).
+    ``context_parallel_size`` is the Trainer strategy's too: each call of the set-up module splits its arguments'
+    sequences and is one step (see docs/context_parallel.md); a loss computed from its output outside the call is
+    this rank's part of the sequence's.
 
     Set up the model with ``fabric.setup_module(model)`` and create the optimizer from the returned model's
     parameters (this rank's shards) before ``fabric.setup_optimizers(optimizer)``; ``fabric.setup(model,
@@ -124,6 +127,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
+        context_parallel_size: int = 1,
     ) -> None:
         if checkpoint_io is not None:
             _refuse_checkpoint_io(checkpoint_io)
@@ -154,6 +158,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             process_group_backend=process_group_backend,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")

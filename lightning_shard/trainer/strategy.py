@@ -133,8 +133,14 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             ``configure_model`` as ``self.device_mesh``; apply the plan there (``parallelize_module`` on
             ``self.device_mesh["tensor_parallel"]``, without ``fully_shard``) and the strategy shards each rank's
             part over the data-parallel ranks (see docs/tensor_parallel.md).
-        data_parallel_size: ``"auto"`` (default): the world size divided by ``tensor_parallel_size``; an int must
-            make the product the world size.
+        data_parallel_size: ``"auto"`` (default): the world size divided by ``context_parallel_size`` x
+            ``tensor_parallel_size``; an int must make the product the world size.
+        context_parallel_size: ranks that split each batch's sequences (default 1: none). With ``C > 1`` the mesh
+            is ``("data_parallel", "context_parallel", "tensor_parallel")`` (``self.device_mesh``), the ranks of one
+            context-parallel group see the same batches and each keeps its part of every sequence tensor (dim 1 of
+            every batch tensor of two or more dimensions, with the causal load balance), attention
+            (``scaled_dot_product_attention``) sees the whole sequence, ``cross_entropy`` is the whole sequence's,
+            and parameters shard over the data x context ranks (see docs/context_parallel.md).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
             naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.
@@ -177,6 +183,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         sync_module_states: bool = True,
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
+        context_parallel_size: int = 1,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -208,6 +215,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             process_group_backend=process_group_backend,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
         self._storage_options = checked_storage_options(storage_options)
         self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]
