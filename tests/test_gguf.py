@@ -514,3 +514,16 @@ def test_the_command_refuses_gguf_options_elsewhere_and_gguf_without_its_config(
     assert "--format gguf needs --config, the model's config.json" in capsys.readouterr().err
     assert main(["export", "ckpt", str(tmp_path / "m.gguf"), "--format", "gguf", "--base", "b", "--config", "c"]) == 2
     assert "--base do not apply to --format gguf" in capsys.readouterr().err
+
+
+def test_q8_0_falls_back_to_f16_by_the_rows_gguf_stores(tmp_path: Path) -> None:
+    """GPT-2's Conv1D weights are stored transposed: whether their rows fill whole Q8_0 blocks is decided on the
+    stored rows (n_embd = 48 values: f16), not on the Hugging Face ones (3 x 48 = 144 for c_attn, 4 x 48 for c_fc)."""
+    from lightning_shard.checkpoint.format.gguf import Layout
+    from lightning_shard.checkpoint.tools.gguf_export import _gguf_shape, _output_type
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for hf_shape in ((48, 144), (48, 192)):
+        stored = _gguf_shape(Layout.TRANSPOSED, hf_shape)
+        assert _output_type(q8, stored) == gguf.GGMLQuantizationType.F16
+    assert _output_type(q8, (192, 64)) == q8
