@@ -497,7 +497,7 @@ def test_an_architecture_not_read_is_refused_on_every_rank(tmp_path: Path) -> No
 def test_a_gguf_file_given_as_a_checkpoint_says_how_to_load_it(tmp_path: Path) -> None:
     from lightning_shard.checkpoint.foreign.sources import detect
 
-    with pytest.raises(CheckpointError, match=r"It is a GGUF model file: start a fit from it with .*load_gguf_into"):
+    with pytest.raises(CheckpointError, match=r"It looks like a GGUF model file: .*load_gguf_into"):
         detect(small_gguf(tmp_path / "m.gguf"))
 
 
