@@ -497,7 +497,7 @@ def test_an_architecture_not_read_is_refused_on_every_rank(tmp_path: Path) -> No
 def test_a_gguf_file_given_as_a_checkpoint_says_how_to_load_it(tmp_path: Path) -> None:
     from lightning_shard.checkpoint.foreign.sources import detect
 
-    with pytest.raises(CheckpointError, match=r"It is a GGUF model file: start a fit from it with .*load_gguf_into"):
+    with pytest.raises(CheckpointError, match=r"It looks like a GGUF model file: .*load_gguf_into"):
         detect(small_gguf(tmp_path / "m.gguf"))
 
 
@@ -514,3 +514,25 @@ def test_the_command_refuses_gguf_options_elsewhere_and_gguf_without_its_config(
     assert "--format gguf needs --config, the model's config.json" in capsys.readouterr().err
     assert main(["export", "ckpt", str(tmp_path / "m.gguf"), "--format", "gguf", "--base", "b", "--config", "c"]) == 2
     assert "--base do not apply to --format gguf" in capsys.readouterr().err
+
+
+def save_untrained(rank: int, world_size: int, config: dict[str, Any], path: str) -> None:
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=FabricShardStrategy())
+    fabric.launch()
+    net = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    fabric.save(path, {"model": fabric.setup_module(net)})
+
+
+def test_q8_0_falls_back_to_f16_by_the_rows_gguf_stores(tmp_path: Path) -> None:
+    """GPT-2's Conv1D weights are stored transposed: whether their rows fill whole Q8_0 blocks is decided on the
+    stored rows (n_embd = 48 values: f16), not on the Hugging Face ones (3 x 48 = 144 for c_attn, 4 x 48 for c_fc)."""
+    config = {**gpt2_config().to_dict(), "n_embd": 48}
+    run_on_ranks(save_untrained, 2, config, str(tmp_path / "ckpt"))
+    transformers.AutoConfig.for_model(**config).to_json_file(str(tmp_path / "config.json"))
+    result = lightning_shard.export_gguf(tmp_path / "ckpt", tmp_path / "q8.gguf", tmp_path / "config.json",
+                                         dtype="q8_0")
+    assert result.tensors["blk.0.attn_qkv.weight"] == result.tensors["blk.0.ffn_up.weight"] == "F16"
+    assert result.tensors["blk.0.ffn_down.weight"] == "Q8_0"  # stored rows of 4 x 48 = 192 values
+    assert gguf.GGUFReader(result.output).tensors

@@ -69,12 +69,10 @@ def detect(path: Path) -> CheckpointKind:
         raise CheckpointError(f"The checkpoint {path} is not a regular file or a directory; refusing to read it.")
     if is_torch_zip(path):
         return CheckpointKind.LIGHTNING_CKPT
-    from lightning_shard.checkpoint.foreign.gguf import is_gguf
-
     hint = (" It looks like a safetensors file: load weights with lightning_shard.load_safetensors_into()."
             if path.suffix == ".safetensors" else
-            " It is a GGUF model file: start a fit from it with lightning_shard.load_gguf_into()."
-            if is_gguf(path) else "")
+            " It looks like a GGUF model file: start a fit from it with lightning_shard.load_gguf_into()."
+            if path.suffix == ".gguf" else "")
     raise CheckpointError(
         f"The path {str(path)!r} does not point to a valid checkpoint: {path} is a file but not a torch.save zip"
         " archive (a Lightning .ckpt), the only single-file checkpoint read"

@@ -81,7 +81,8 @@ def export_gguf(
     metadata = arch.metadata(hf_config)
     entries, skipped = _entries(directory, submodule_prefix(prefix), weights)
     names = _gguf_names(arch, entries, metadata["block_count"], directory)
-    planned = {names[key]: (entry, _output_type(kind, entry.shape)) for key, entry in entries.items()}
+    shapes = {names[key]: _gguf_shape(arch.layout(names[key]), entry.shape) for key, entry in entries.items()}
+    planned = {names[key]: (entry, _output_type(kind, shapes[names[key]])) for key, entry in entries.items()}
 
     staging = temporary_directory_beside(out)
     tmp = staging / out.name
@@ -93,7 +94,7 @@ def export_gguf(
             writer.add_tokenizer_model("none")  # llama.cpp's word for a file without a vocabulary
         for name, (entry, ggml) in planned.items():
             nbytes = _nbytes(entry.shape, ggml)
-            writer.add_tensor_info(name, _gguf_shape(arch.layout(name), entry.shape), _NOT_BYTES, nbytes, ggml)
+            writer.add_tensor_info(name, shapes[name], _NOT_BYTES, nbytes, ggml)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -156,7 +157,8 @@ def _ggml_type(dtype: str | None) -> Any:
 
 
 def _output_type(kind: Any, shape: tuple[int, ...]) -> Any:
-    """The GGML type a tensor of ``shape`` is written in, for the export type ``kind`` (see ``export_gguf``)."""
+    """The GGML type a tensor of ``shape`` (as GGUF stores it: its rows are the last dimension) is written in, for the
+    export type ``kind`` (see ``export_gguf``)."""
     from gguf import GGMLQuantizationType as Q
 
     if len(shape) < 2:
