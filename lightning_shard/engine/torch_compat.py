@@ -6,6 +6,7 @@ Everything the package uses that no branch here names is the same in every suppo
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 # The single-tensor collectives: torch 2.13 names them all_gather_single and reduce_scatter_single (and deprecates
@@ -18,4 +19,9 @@ else:  # torch 2.7 to 2.12
     all_gather_single = dist.all_gather_into_tensor
     reduce_scatter_single = dist.reduce_scatter_tensor
 
-__all__ = ["all_gather_single", "reduce_scatter_single"]
+# Moving memory from one storage into another, every view following it (the buffer pool's ``fill`` and ``drain``):
+# torch 2.13 has UntypedStorage._swap_data_ptr_; torch 2.7 to 2.12 can only resize a storage, so there the pool
+# allocates a unit's buffer anew with resize_(nbytes) and frees it with resize_(0), as it did before it pooled.
+STORAGES_SWAP_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # True from torch 2.13
+
+__all__ = ["STORAGES_SWAP_MEMORY", "all_gather_single", "reduce_scatter_single"]
