@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_shard.engine.torch_compat import STORAGES_SWAP_MEMORY
+
 
 class BufferPool:
     """Free memory blocks by (device, bytes); ``allocations`` counts the blocks it ever had to allocate."""
@@ -68,12 +70,18 @@ class BufferPool:
             return  # already filled
         if storage.nbytes() != 0:
             raise RuntimeError(f"BufferPool.fill needs an empty storage, got one of {storage.nbytes()} bytes")
+        if not STORAGES_SWAP_MEMORY:  # torch before 2.13: see torch_compat
+            storage.resize_(nbytes)
+            return
         block = self.take(nbytes, storage.device)
         _swap_memory(storage, block.untyped_storage())  # the block is left empty and dropped
 
     def drain(self, storage: torch.UntypedStorage) -> None:
         """Move ``storage``'s memory back into the pool, leaving it empty (as ``resize_(0)`` would)."""
         if storage.nbytes() == 0:
+            return
+        if not STORAGES_SWAP_MEMORY:  # torch before 2.13: see torch_compat
+            storage.resize_(0)
             return
         holder = torch.UntypedStorage(0, device=storage.device)
         _swap_memory(holder, storage)

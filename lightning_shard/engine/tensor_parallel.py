@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_shard.engine.torch_compat import root_mesh
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
@@ -145,7 +147,7 @@ def note_tensor_parallel_parts(mesh: ShardMesh, params: list[tuple[TensorParalle
     plan's 2-D mesh, which state dicts place their ``DTensor``s on."""
     for layout, sharded in params:
         if layout is not None:
-            mesh.tensor_parallel_root = layout.device_mesh._get_root_mesh()
+            mesh.tensor_parallel_root = root_mesh(layout.device_mesh)
         if layout is not None and layout.shard_dim is not None:
             mesh.tensor_parallel_group = layout.device_mesh.get_group()
             mesh.tensor_parallel_parts.add(id(sharded))
