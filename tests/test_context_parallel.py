@@ -64,16 +64,25 @@ def test_trainer_trains_as_ddp_on_the_global_batch(world_size: int, kwargs: dict
     assert_same_training(ours, [reference[rank // block] for rank in range(world_size)])
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [((2, 2), (1, 1)), ((1, 1), (2, 2))], ids=["C2->C1", "C1->C2"])
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [((2, 2, 1), (1, 1, 1)), ((1, 1, 1), (2, 2, 1)), ((4, 2, 2), (2, 1, 2))],
+    ids=["C2->C1", "C1->C2", "C2T2->T2"],
+)
 def test_a_checkpoint_resumes_at_another_context_parallel_size(
-    saved: tuple[int, int], resumed: tuple[int, int], tmp_path: Path
+    saved: tuple[int, int, int], resumed: tuple[int, int, int], tmp_path: Path
 ) -> None:
-    """(world size, context_parallel_size): a save after 5 steps resumes at the other size and continues with the
-    losses and weights of the uninterrupted run (one batch per epoch, so that the resumed fit sees what the
-    uninterrupted one saw)."""
+    """(world size, context_parallel_size, tensor_parallel_size): a save after 5 steps resumes at the other size and
+    continues with the losses and weights of the uninterrupted run (one batch per epoch, so that the resumed fit sees
+    what the uninterrupted one saw)."""
     path = str(tmp_path / "ckpt")
-    run_on_ranks(fit, saved[0], "shard", steps=5, save=path, samples=2, context_parallel_size=saved[1])
-    ours = run_on_ranks(fit, resumed[0], "shard", resume=path, samples=2, context_parallel_size=resumed[1])
+
+    def sizes(world: int, context: int, tensor: int) -> dict[str, Any]:
+        extra = {"tensor_parallel_size": tensor, "tensor_parallel": True} if tensor > 1 else {}
+        return {"context_parallel_size": context, **extra}
+
+    run_on_ranks(fit, saved[0], "shard", steps=5, save=path, samples=2, **sizes(*saved))
+    ours = run_on_ranks(fit, resumed[0], "shard", resume=path, samples=2, **sizes(*resumed))
     whole = run_on_ranks(fit, 1, "ddp", samples=2)[0]
     for rank, result in enumerate(ours):
         losses = torch.tensor(result["losses"])
