@@ -138,6 +138,16 @@ def running_s3_server(timeout: float = 60.0) -> Iterator[S3Server]:
     finally:
         process.kill()
         process.wait()
+        _forget_clients()
+
+
+def _forget_clients() -> None:
+    """Drop the s3fs clients this process cached: one made from the environment (the CLI's) would otherwise be reused
+    against the next test server's port, this stopped server's endpoint still in it."""
+    import fsspec
+
+    for cls in fsspec.registry.values():
+        cls.clear_instance_cache()
 
 
 if __name__ == "__main__":
