@@ -66,8 +66,8 @@ def test_trainer_trains_as_ddp_on_the_global_batch(world_size: int, kwargs: dict
 
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [((2, 2, 1), (1, 1, 1)), ((1, 1, 1), (2, 2, 1)), ((4, 2, 2), (2, 1, 2))],
-    ids=["C2->C1", "C1->C2", "C2T2->T2"],
+    [((2, 2, 1), (1, 1, 1)), ((1, 1, 1), (2, 2, 1)), ((4, 2, 2), (2, 1, 2)), ((2, 1, 2), (4, 2, 2))],
+    ids=["C2->C1", "C1->C2", "C2T2->T2", "T2->C2T2"],
 )
 def test_a_checkpoint_resumes_at_another_context_parallel_size(
     saved: tuple[int, int, int], resumed: tuple[int, int, int], tmp_path: Path

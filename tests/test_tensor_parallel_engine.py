@@ -93,15 +93,17 @@ def steps_against_the_whole_model(rank: int, world_size: int, options: dict[str,
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"checkpoint": True}, {"accumulate": 2}, {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1)}],
-    ids=["full-shard", "activation-checkpointing", "accumulation", "hybrid"],
-)
-def test_steps_clipping_and_full_params_equal_the_whole_model(options: dict[str, Any]) -> None:
+    ("world_size", "options"),
+    [(4, {}), (4, {"checkpoint": True}), (4, {"accumulate": 2}),
+     (4, {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1)}), (2, {})],
+    ids=["full-shard", "activation-checkpointing", "accumulation", "hybrid", "one-data-parallel-rank"],
+)  # fmt: skip
+def test_steps_clipping_and_full_params_equal_the_whole_model(world_size: int, options: dict[str, Any]) -> None:
     """Each rank's part of every DTensor parameter is sharded over the data-parallel ranks: the global norm counts
     every tensor-parallel part once (clipping active), the gradients average over the data-parallel ranks only, and
-    ``summon_full_params`` presents the plan's DTensors in full."""
-    for result in run_on_ranks(steps_against_the_whole_model, 4, dict(options)):
+    ``summon_full_params`` presents the plan's DTensors in full. With one data-parallel rank (tensor parallelism
+    alone) each rank keeps its own part of the plan: nothing is made to agree across the tensor-parallel ranks."""
+    for result in run_on_ranks(steps_against_the_whole_model, world_size, dict(options)):
         torch.testing.assert_close(result["norms"], result["ref_norms"])
         assert result["params"].keys() == result["reference"].keys()
         for name, value in result["reference"].items():

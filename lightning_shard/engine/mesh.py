@@ -73,8 +73,8 @@ class ShardMesh:
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
     # Every data-parallel rank of this column, when neither axis is all of them (HYBRID_SHARD under tensor
-    # parallelism); see ``data_parallel_group``.
-    hybrid_data_parallel_group: ProcessGroup | None = None
+    # parallelism) or the column is this rank alone (one data-parallel rank); see ``data_parallel_group``.
+    column_data_parallel_group: ProcessGroup | None = None
     # The tensor-parallel group, and the sharded faces holding rows of one tensor-parallel part (ids), which the
     # global gradient norm sums over that group; set by ``shard_module``.
     tensor_parallel_group: ProcessGroup | None = None
@@ -104,11 +104,11 @@ class ShardMesh:
         """
         if self.tensor_parallel_size == 1:
             return None
-        if self.replicas == 1:
+        if self.replicas == 1 and self.shard_size > 1:
             return self.shard_group
-        if self.shard_size == 1:
+        if self.shard_size == 1 and self.replicas > 1:
             return self.replicate_group
-        return self.hybrid_data_parallel_group
+        return self.column_data_parallel_group  # never None here: None would mean every rank, all columns
 
     def destroy(self) -> None:
         """Destroy the sub-groups this mesh created (never the default group)."""
@@ -281,7 +281,7 @@ def build_shard_mesh(
         else:
             columns = [list(range(col, world // tp, shard_size)) for col in range(shard_size)]
             mesh.replicate_group = groups(columns, mesh.shard_rank)
-    if tp > 1 and replicas > 1 and shard_size > 1:
-        mesh.hybrid_data_parallel_group = groups([list(range(world // tp))], 0)
+    if tp > 1 and (replicas > 1) == (shard_size > 1):  # both axes, or neither: the column's own group
+        mesh.column_data_parallel_group = groups([list(range(world // tp))], 0)
     mesh.shard_backend = dist.get_backend(mesh.shard_group) if mesh.shard_group is not None else None
     return mesh
