@@ -31,7 +31,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple, NoReturn, cast
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.format import CheckpointError, crc32_of_bytes
 from lightning_shard.checkpoint.format.safetensors_header import SafetensorsHeader, TensorTable
 from lightning_shard.checkpoint.io.files import CheckpointFiles
 from lightning_shard.checkpoint.io.layout import Piece, RowSplit, StoredTensor, check_piece, rows_per_shard
@@ -408,7 +407,7 @@ def _read_in_place(
         crc, j = 0, k
         while j < len(parts) and parts[j][0] < hi:
             where, view = parts[j]
-            crc = zlib.crc32(view[max(lo, where) - where : min(hi, where + len(view)) - where], crc)
+            crc = crc32_of_bytes(view[max(lo, where) - where : min(hi, where + len(view)) - where], crc)
             j += 1
         if expected is not None and crc != expected:
             _corrupted(group, position, lo, hi)
@@ -466,7 +465,7 @@ def _check(group: _Group, position: int, runs: list[_Run], lo: int, data: Any, s
     reads for other files' runs only are not used, so not checked."""
     for begin, end in spans:
         for a, b, expected in _checksums(group, position, runs, begin, end):
-            if expected is not None and zlib.crc32(data[a - lo : b - lo]) != expected:
+            if expected is not None and crc32_of_bytes(data[a - lo : b - lo]) != expected:
                 _corrupted(group, position, a, b)
 
 

@@ -7,14 +7,13 @@ import hashlib
 import json
 import math
 import struct
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.format import _SAFETENSORS_DTYPES, CheckpointError
+from lightning_shard.checkpoint.format import _SAFETENSORS_DTYPES, CheckpointError, crc32_of_bytes
 from lightning_shard.checkpoint.format.safetensors_header import BLOCK_BYTES, BLOCK_BYTES_METADATA, BLOCK_CRC32_METADATA
 
 
@@ -92,7 +91,7 @@ class SafetensorsStreamWriter:
             while at < len(view):  # the bytes of each block they reach
                 room = BLOCK_BYTES - self._written % BLOCK_BYTES
                 part = view[at : at + room]
-                self._block_crc = zlib.crc32(part, self._block_crc)
+                self._block_crc = crc32_of_bytes(part, self._block_crc)
                 self._written += len(part)
                 at += len(part)
                 if self._written % BLOCK_BYTES == 0:
