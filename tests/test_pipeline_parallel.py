@@ -5,6 +5,7 @@ is refused. In fresh processes under Lightning's launcher: tests/test_pipeline_p
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -53,3 +54,19 @@ def test_trainer_trains_as_ddp_on_the_global_batch(world_size: int, schedule: st
     reference = run_on_ranks(fit, data, "ddp")
     assert ours[0]["mesh"] == ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
     assert_same_training(ours, [reference[rank % data] for rank in range(world_size)])
+
+
+def test_a_checkpoint_saved_without_pipeline_resumes_at_two_stages(tmp_path: Path) -> None:
+    """A save after 5 steps at P=1 resumes at P=2 (each stage reading its own parameters' rows and optimizer state)
+    and continues with the losses and weights of the uninterrupted run (one batch per epoch, so that the resumed fit
+    sees what the uninterrupted one saw)."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(fit, 1, "shard", steps=5, save=path, samples=4)
+    ours = run_on_ranks(fit, 2, "shard", resume=path, samples=4, pipeline_parallel_size=2)
+    whole = run_on_ranks(fit, 1, "ddp", samples=4)[0]
+    for rank, result in enumerate(ours):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(whole["losses"][5:]),
+                                   msg=f"rank {rank}")  # fmt: skip
+        assert result["params"].keys() == whole["params"].keys()
+        for name, value in whole["params"].items():
+            torch.testing.assert_close(result["params"][name], value, msg=f"{name}, rank {rank}")

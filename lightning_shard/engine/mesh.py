@@ -87,6 +87,7 @@ class ShardMesh:
     # This rank's pipeline group (the mesh's ranks are those of one stage); ``None`` without pipeline parallelism.
     pipeline_parallel_size: int = 1
     pipeline: PipelineRanks | None = None
+    stage_offset: int = 0  # the global rank of the stage's first rank
     _device_mesh: _DeviceMeshCache | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -100,7 +101,7 @@ class ShardMesh:
 
     def global_rank(self, data_parallel_rank: int) -> int:
         """The global rank of data-parallel rank ``data_parallel_rank`` of this rank's column."""
-        return data_parallel_rank * self.tensor_parallel_size + self.tensor_parallel_rank
+        return self.stage_offset + data_parallel_rank * self.tensor_parallel_size + self.tensor_parallel_rank
 
     @property
     def data_parallel_group(self) -> ProcessGroup | None:
@@ -170,7 +171,8 @@ class _DeviceMeshCache:
         first = mesh.replicate_rank * mesh.shard_size
         row = [mesh.global_rank(r) for r in range(first, first + mesh.shard_size)]
         column = [mesh.global_rank(r) for r in range(mesh.shard_rank, mesh.world_size, mesh.shard_size)]
-        world = dist.group.WORLD if mesh.tensor_parallel_size == 1 else None  # the default group is all the ranks
+        alone = mesh.tensor_parallel_size == 1 and mesh.pipeline_parallel_size == 1
+        world = dist.group.WORLD if alone else None  # the default group is all the ranks
 
         def live(group: ProcessGroup | None, ranks: list[int]) -> ProcessGroup:
             """``group``, or a new group of ``ranks`` (this rank's row or column) if it has none (an axis of size 1)
@@ -262,7 +264,8 @@ def build_shard_mesh(
     world //= pp
     replicas, shard_size = mesh_shape(strategy, world // tp, device_mesh)
     mesh = ShardMesh(global_rank // tp, world // tp, replicas, shard_size, shard_group=None, replicate_group=None,
-                     tensor_parallel_size=tp, tensor_parallel_rank=global_rank % tp, pipeline_parallel_size=pp)
+                     tensor_parallel_size=tp, tensor_parallel_rank=global_rank % tp, pipeline_parallel_size=pp,
+                     stage_offset=stage * world)
 
     def groups(members: list[list[int]], mine: int) -> ProcessGroup:
         """Every rank creates every group (``new_group``'s rule), each column's in turn; returns this rank's group:
