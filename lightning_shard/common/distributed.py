@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.mesh import ShardMesh, build_shard_mesh, mesh_shape
 from lightning_shard.engine.parallel import ContextParallel, ParallelDims
+from lightning_shard.engine.parallel.pipeline import PipelineRanks
 from lightning_shard.engine.policies import ShardingStrategy
 from lightning_shard.engine.progress import RECORD, start_publishing, stop_publishing
 from lightning_shard.engine.stall import bound_waits, rendezvous_timeout, watching
@@ -99,9 +100,11 @@ def parallel_sizes(options: ShardOptions, num_nodes: int, num_processes: int) ->
     rank holding ``context_parallel_size`` x ``tensor_parallel_size`` ranks); sizes whose product is not the world
     size raise ``ParallelSizeError``. Needs no process group."""
     world, tp, cp = num_nodes * num_processes, options.tensor_parallel_size, options.context_parallel_size
-    data_parallel = options.data_parallel_size or world // (cp * tp)
-    if world % (cp * tp) or data_parallel * cp * tp != world:
+    pp = options.pipeline_parallel_size
+    data_parallel = options.data_parallel_size or world // (pp * cp * tp)
+    if world % (pp * cp * tp) or pp * data_parallel * cp * tp != world:
         context = f" x `context_parallel_size={cp}`" if cp > 1 else ""
+        context = (f" x `pipeline_parallel_size={pp}`" if pp > 1 else "") + context
         raise ParallelSizeError(
             f"The sizes `data_parallel_size={options.data_parallel_size or 'auto'}`{context} and"
             f" `tensor_parallel_size={tp}` multiplied should equal the world size ({world}). With"
@@ -132,6 +135,7 @@ def start_mesh(
     """
     data_parallel, tp = parallel_sizes(options, num_nodes, num_processes)
     sharded = data_parallel * options.context_parallel_size  # the ranks the engine shards over: data x context
+    pp = options.pipeline_parallel_size
     device_mesh = options.device_mesh
     if options.sharding_strategy is ShardingStrategy.HYBRID_SHARD and device_mesh is None:
         device_mesh = (num_nodes, sharded // num_nodes) if sharded % num_nodes == 0 else None
@@ -141,18 +145,21 @@ def start_mesh(
         dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), options.timeout
     )
     cp = options.context_parallel_size
-    if cp > 1:  # ("data_parallel", "context_parallel", "tensor_parallel"); the engine shards over data x context
-        tensor_parallel_mesh = ParallelDims(data_parallel, cp, tp).build_mesh(device.type)
+    if cp > 1 or pp > 1:  # ("data_parallel", "context_parallel", "tensor_parallel"), "pipeline_parallel" before
+        tensor_parallel_mesh = ParallelDims(data_parallel, cp, tp, pp).build_mesh(device.type)
     elif tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         tensor_parallel_mesh = init_device_mesh(
             device.type, (data_parallel, tp), mesh_dim_names=("data_parallel", "tensor_parallel")
         )
-    mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend, tensor_parallel_size=tp)
+    mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend, tensor_parallel_size=tp,
+                            pipeline_parallel_size=pp)  # fmt: skip
+    if pp > 1:
+        mesh.pipeline = PipelineRanks.of(tensor_parallel_mesh["pipeline_parallel"])
     if cp > 1:
         mesh.context_parallel = ContextParallel.of(tensor_parallel_mesh["context_parallel"])
-    elif tp == 1:
+    elif tp == 1 and pp == 1:
         tensor_parallel_mesh = _data_parallel_only_mesh(mesh, device.type)
     if owns:
         for group in mesh.owned_groups:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
@@ -26,6 +26,7 @@ from lightning_shard.common.fsdp_compat import (
 )
 from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.parallel.pipeline import PipelineSchedule
 from lightning_shard.engine.policies import (
     GradSync,
     ParamInit,
@@ -66,6 +67,10 @@ class ShardOptions:
     tensor_parallel_size: int = 1  # see [Note: the data-parallel ranks under tensor parallelism]
     data_parallel_size: int | None = None  # None: "auto", the world size / (context x tensor_parallel_size)
     context_parallel_size: int = 1  # see lightning_shard.engine.parallel.context
+    pipeline_parallel_size: int = 1  # see lightning_shard.engine.parallel.pipeline
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    microbatches: int | None = None  # None: pipeline_parallel_size
+    pipeline_split_points: tuple[str, ...] | None = None  # None: blocks split evenly
 
     @classmethod
     def parse(
@@ -92,6 +97,10 @@ class ShardOptions:
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: Literal["1F1B", "gpipe"] | PipelineSchedule = "1F1B",
+        microbatches: int | None = None,
+        pipeline_split_points: list[str] | None = None,
     ) -> ShardOptions:
         """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values.
 
@@ -129,6 +138,11 @@ class ShardOptions:
                 " recomputation in backward runs the attention outside the step that makes it see the whole"
                 " sequence. Drop activation_checkpointing_policy, or use context_parallel_size=1."
             )
+        pipeline = _pipeline_options(
+            pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points, auto_wrap_policy,
+            tensor_parallel_size=tensor_parallel_size, context_parallel_size=context_parallel_size,
+            sharding_strategy=strategy,
+        )  # fmt: skip
         return cls(
             sharding_strategy=strategy,
             wrap_policy=resolve_wrap_policy(auto_wrap_policy),
@@ -151,7 +165,41 @@ class ShardOptions:
                 data_parallel_size, "data_parallel_size", "or 'auto'"
             ),
             context_parallel_size=context_parallel_size,
+            **pipeline,
         )
+
+
+def _pipeline_options(
+    size: object, schedule: object, microbatches: object, split_points: object, auto_wrap_policy: object, *,
+    tensor_parallel_size: object, context_parallel_size: int, sharding_strategy: ShardingStrategy,
+) -> dict[str, Any]:  # fmt: skip
+    """The pipeline arguments, checked: the stages are whole blocks by ``auto_wrap_policy`` (classes or names), and
+    what pipeline parallelism does not compose with yet is refused, naming it."""
+    size = _positive_int(size, "pipeline_parallel_size")
+    parsed = PipelineSchedule.parse(schedule)  # type: ignore[arg-type]
+    count = None if microbatches is None else _positive_int(microbatches, "microbatches")
+    if split_points is not None and not (
+        isinstance(split_points, (list, tuple)) and all(isinstance(n, str) for n in split_points)
+    ):
+        raise TypeError(f"pipeline_split_points must be a list of block names, got {split_points!r}.")
+    if size > 1:
+        others = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size}
+        combined = [f"{name}={value}" for name, value in others.items() if value != 1]
+        if combined or sharding_strategy is ShardingStrategy.HYBRID_SHARD:
+            what = ", ".join(combined) or "sharding_strategy='HYBRID_SHARD'"
+            raise ValueError(
+                f"pipeline_parallel_size={size} with {what} is not supported yet: pipeline stages shard over the"
+                " data-parallel ranks (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD). See the composition table in"
+                " docs/pipeline_parallel.md."
+            )
+        if auto_wrap_policy is None or isinstance(auto_wrap_policy, (int, bool)):
+            raise ValueError(
+                f"pipeline_parallel_size={size} splits the model into stages of whole blocks, which auto_wrap_policy"
+                f" names; got {auto_wrap_policy!r}. Pass auto_wrap_policy={{YourBlock}} (the block class, or its"
+                " name)."
+            )
+    return {"pipeline_parallel_size": size, "pipeline_schedule": parsed, "microbatches": count,
+            "pipeline_split_points": None if split_points is None else tuple(split_points)}  # fmt: skip
 
 
 def _positive_int(value: object, name: str, other: str = "") -> int:
@@ -279,6 +327,10 @@ class ShardOptionsMixin:
     @property
     def context_parallel_size(self) -> int:
         return self.options.context_parallel_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.options.pipeline_parallel_size
 
 
 def _checkpointing_policy(

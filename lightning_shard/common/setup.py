@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -13,6 +14,13 @@ from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.activation_checkpointing import apply_activation_checkpointing
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.parallel.pipeline import (
+    Pipeline,
+    PipelineError,
+    PipelineRanks,
+    StageSplit,
+    outermost_blocks,
+)
 from lightning_shard.engine.policies import GradSync
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
 
@@ -34,6 +42,8 @@ def setup_sharded_module(
             " memory. It offloads when training on GPUs."
         )
     sharded_before = sharded_module_of(module) is not None
+    if mesh.pipeline is not None and not sharded_before:  # keep this rank's stage only, before anything is sharded
+        install_pipeline(module, options, mesh.pipeline, device)
     engine = shard_module(
         module, mesh, options.sharding_strategy, options.wrap_policy, device, mixed_precision, cpu_offload=offloads,
         param_init=options.param_init, cpu_allocator=options.cpu_allocator,
@@ -54,6 +64,37 @@ def setup_sharded_module(
         mesh.context_parallel.attach(module)
     _move_param_free_modules(module, device)
     return engine
+
+
+def install_pipeline(module: nn.Module, options: ShardOptions, ranks: PipelineRanks, device: torch.device) -> None:
+    """Prune ``module`` to this rank's pipeline stage and make each outermost call of its pipelined submodule (see
+    ``pipelined_submodule``) a run of the schedule. The split is recorded on the module for checkpoints."""
+    assert options.wrap_policy is not None  # ShardOptions refuses pipeline parallelism without one
+    is_block = options.wrap_policy
+    if not callable(is_block):
+        raise PipelineError(
+            f"pipeline_parallel_size={options.pipeline_parallel_size} needs blocks named by class, class name or a"
+            f" callable (module, name) -> bool in auto_wrap_policy, got {type(is_block).__name__}."
+        )
+    name, target = pipelined_submodule(module, is_block)
+    split = StageSplit.of(target, is_block, options.pipeline_parallel_size,
+                          None if options.pipeline_split_points is None else list(options.pipeline_split_points))
+    pipeline = Pipeline.install(target, split, ranks, options.pipeline_schedule,
+                                options.microbatches or options.pipeline_parallel_size, device)  # fmt: skip
+    module._pipeline = pipeline  # type: ignore[assignment]
+    module._pipeline_split = (name, split)  # type: ignore[assignment]
+
+
+def pipelined_submodule(root: nn.Module, is_block: Any) -> tuple[str, nn.Module]:
+    """The module whose calls run the schedule: the child of ``root`` holding every block (a LightningModule's
+    ``self.model``), or ``root`` itself when its blocks are spread over its children."""
+    heads = {name.split(".", 1)[0] for name, _ in outermost_blocks(root, is_block)}
+    if len(heads) == 1:
+        head = heads.pop()
+        child = getattr(root, head)
+        if not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and not is_block(child, head):
+            return head, child
+    return "", root
 
 
 @contextmanager

@@ -50,9 +50,10 @@ class ShardStrategyMixin(ShardOptionsMixin):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data split over the data-parallel ranks: the ranks of one context x tensor-parallel block see the same
-        batches (the context-parallel ranks then split each batch's sequences)."""
+        batches (the context-parallel ranks then split each batch's sequences), and so do the stages of one pipeline."""
         block = self.options.tensor_parallel_size * self.options.context_parallel_size
-        return {"num_replicas": self.num_nodes * self.num_processes // block, "rank": self.global_rank // block}
+        stage = self.num_nodes * self.num_processes // self.options.pipeline_parallel_size  # ranks of one stage
+        return {"num_replicas": stage // block, "rank": (self.global_rank % stage) // block}
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -19,7 +19,8 @@ def clip_grad_norm_(
     """Scale the gradients of ``shards`` so that their global norm is at most ``max_norm``; return that norm.
 
     The norm covers every rank's rows (summed over the shard group; replicas hold identical shards, so
-    they compute the identical value), as ``torch.nn.utils.clip_grad_norm_`` computes it on a replicated model.
+    they compute the identical value; under pipeline parallelism, summed over the stages too), as
+    ``torch.nn.utils.clip_grad_norm_`` computes it on a replicated model.
     """
     shards = list(shards)
     total = global_grad_norm(shards, mesh, device, norm_type)
@@ -35,6 +36,8 @@ def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.de
     if not mesh.tensor_parallel_parts:
         total = _local_norm_term([p.grad for p in shards if p.grad is not None], norm_type, device, dtype)
         _reduce(total, mesh.shard_group, norm_type)
+        if mesh.pipeline is not None:  # the other stages' parameters
+            _reduce(total, mesh.pipeline.group, norm_type)
     else:  # parts of tensor-parallel parameters, then everything every tensor-parallel rank holds alike
         parts = [p.grad for p in shards if p.grad is not None and id(p) in mesh.tensor_parallel_parts]
         alike = [p.grad for p in shards if p.grad is not None and id(p) not in mesh.tensor_parallel_parts]

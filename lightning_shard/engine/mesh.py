@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_shard.engine.parallel.context import ContextParallel
+    from lightning_shard.engine.parallel.pipeline import PipelineRanks
 
 
 @dataclass
@@ -83,6 +84,10 @@ class ShardMesh:
     # The context-parallel group whose ranks split each sequence (they are among this mesh's ranks, which shard and
     # reduce over them as over data-parallel ones); ``None`` without context parallelism.
     context_parallel: ContextParallel | None = None
+    # This rank's pipeline group (the mesh's ranks are those of one stage); ``None`` without pipeline parallelism.
+    pipeline_parallel_size: int = 1
+    pipeline: PipelineRanks | None = None
+    stage_offset: int = 0  # the global rank of the stage's first rank
     _device_mesh: _DeviceMeshCache | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -96,13 +101,13 @@ class ShardMesh:
 
     def global_rank(self, data_parallel_rank: int) -> int:
         """The global rank of data-parallel rank ``data_parallel_rank`` of this rank's column."""
-        return data_parallel_rank * self.tensor_parallel_size + self.tensor_parallel_rank
+        return self.stage_offset + data_parallel_rank * self.tensor_parallel_size + self.tensor_parallel_rank
 
     @property
     def data_parallel_group(self) -> ProcessGroup | None:
         """Every data-parallel rank of this rank's column (``None``: the default group, without tensor parallelism).
         """
-        if self.tensor_parallel_size == 1:
+        if self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1:
             return None
         if self.replicas == 1 and self.shard_size > 1:
             return self.shard_group
@@ -166,7 +171,8 @@ class _DeviceMeshCache:
         first = mesh.replicate_rank * mesh.shard_size
         row = [mesh.global_rank(r) for r in range(first, first + mesh.shard_size)]
         column = [mesh.global_rank(r) for r in range(mesh.shard_rank, mesh.world_size, mesh.shard_size)]
-        world = dist.group.WORLD if mesh.tensor_parallel_size == 1 else None  # the default group is all the ranks
+        alone = mesh.tensor_parallel_size == 1 and mesh.pipeline_parallel_size == 1
+        world = dist.group.WORLD if alone else None  # the default group is all the ranks
 
         def live(group: ProcessGroup | None, ranks: list[int]) -> ProcessGroup:
             """``group``, or a new group of ``ranks`` (this rank's row or column) if it has none (an axis of size 1)
@@ -245,38 +251,44 @@ def build_shard_mesh(
     device_mesh: tuple[int, int] | None,
     backend: str | None = None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> ShardMesh:
     """Create the process groups of the mesh (over the data-parallel ranks of this rank's tensor-parallel column when
-    ``tensor_parallel_size > 1``). Collective: every rank must call it, in the same order."""
-    world, global_rank = dist.get_world_size(), dist.get_rank()
-    tp = tensor_parallel_size
-    if tp < 1 or world % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world}.")
+    ``tensor_parallel_size > 1``, and of this rank's pipeline stage when ``pipeline_parallel_size > 1``: stage ``s``
+    holds the global ranks ``s * W / P`` to ``(s + 1) * W / P - 1``). Collective: every rank must call it, in the
+    same order."""
+    world, tp, pp = dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} does not divide the world {world}.")
+    stage, global_rank = divmod(dist.get_rank(), world // pp)  # the rank inside its stage
+    world //= pp
     replicas, shard_size = mesh_shape(strategy, world // tp, device_mesh)
     mesh = ShardMesh(global_rank // tp, world // tp, replicas, shard_size, shard_group=None, replicate_group=None,
-                     tensor_parallel_size=tp, tensor_parallel_rank=global_rank % tp)
+                     tensor_parallel_size=tp, tensor_parallel_rank=global_rank % tp, pipeline_parallel_size=pp,
+                     stage_offset=stage * world)
 
     def groups(members: list[list[int]], mine: int) -> ProcessGroup:
         """Every rank creates every group (``new_group``'s rule), each column's in turn; returns this rank's group:
         the one of ``members`` (data-parallel ranks, the same in every column) at ``mine`` in this rank's column."""
         own: ProcessGroup | None = None
-        for column in range(tp):
-            for i, ranks in enumerate(members):
-                group = dist.new_group([r * tp + column for r in ranks], backend=backend)
-                if column == mesh.tensor_parallel_rank and i == mine:
-                    own = group
-                    mesh.owned_groups.append(group)
+        for each_stage in range(pp):
+            for column in range(tp):
+                for i, ranks in enumerate(members):
+                    group = dist.new_group([each_stage * world + r * tp + column for r in ranks], backend=backend)
+                    if each_stage == stage and column == mesh.tensor_parallel_rank and i == mine:
+                        own = group
+                        mesh.owned_groups.append(group)
         assert own is not None
         return own
 
-    if shard_size > 1:
-        if replicas == 1 and tp == 1:
+    if shard_size > 1 or pp > 1:  # a stage of one rank still has its own group: the world is other stages' too
+        if replicas == 1 and tp == 1 and pp == 1:
             mesh.shard_group = dist.group.WORLD
         else:
             rows = [list(range(row * shard_size, (row + 1) * shard_size)) for row in range(replicas)]
             mesh.shard_group = groups(rows, mesh.replicate_rank)
     if replicas > 1:
-        if shard_size == 1 and tp == 1:
+        if shard_size == 1 and tp == 1 and pp == 1:
             mesh.replicate_group = dist.group.WORLD
         else:
             columns = [list(range(col, world // tp, shard_size)) for col in range(shard_size)]

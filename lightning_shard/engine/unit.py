@@ -477,8 +477,9 @@ class ShardUnit:
             # global rank 0's; a block the plan gave agrees within its column.
             whole = [p.tensor_parallel is None or full[id(p)].is_meta for p in self.params]
             groups: dict[ProcessGroup | None, list[int]] = {}
+            everywhere = None if self.mesh.pipeline is None else self.mesh.data_parallel_group  # the stage's ranks
             for i, is_whole in enumerate(whole):
-                groups.setdefault(None if is_whole else self.mesh.data_parallel_group, []).append(i)
+                groups.setdefault(everywhere if is_whole else self.mesh.data_parallel_group, []).append(i)
             for group, indices in groups.items():
                 for i, value in zip(indices, values_of_rank0([values[i] for i in indices], device, group)):
                     layout = self.params[i].tensor_parallel

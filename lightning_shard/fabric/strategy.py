@@ -90,7 +90,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     "tensor_parallel")`` mesh, before the strategy shards the model (see docs/tensor_parallel.md).
     ``context_parallel_size`` is the Trainer strategy's too: each call of the set-up module splits its arguments'
     sequences and is one step (see docs/context_parallel.md); a loss computed from its output outside the call is
-    this rank's part of the sequence's.
+    this rank's part of the sequence's. ``pipeline_parallel_size`` (with ``pipeline_schedule``, ``microbatches``,
+    ``pipeline_split_points``) is the Trainer strategy's too: each call of the set-up module runs the schedule and
+    returns the whole output on every rank; ``fabric.backward`` of a loss computed from it runs the stages' backward
+    (see docs/pipeline_parallel.md).
 
     Set up the model with ``fabric.setup_module(model)`` and create the optimizer from the returned model's
     parameters (this rank's shards) before ``fabric.setup_optimizers(optimizer)``; ``fabric.setup(model,
@@ -128,6 +131,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: Literal["1F1B", "gpipe"] = "1F1B",
+        microbatches: int | None = None,
+        pipeline_split_points: list[str] | None = None,
     ) -> None:
         if checkpoint_io is not None:
             _refuse_checkpoint_io(checkpoint_io)
@@ -159,6 +166,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
             context_parallel_size=context_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_schedule=pipeline_schedule,
+            microbatches=microbatches,
+            pipeline_split_points=pipeline_split_points,
         )
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")

@@ -141,6 +141,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             every batch tensor of two or more dimensions, with the causal load balance), attention
             (``scaled_dot_product_attention``) sees the whole sequence, ``cross_entropy`` is the whole sequence's,
             and parameters shard over the data x context ranks (see docs/context_parallel.md).
+        pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points: ``P > 1`` splits the
+            model's blocks (by ``auto_wrap_policy``) into ``P`` stages on consecutive groups of ranks, each sharded
+            over its data-parallel ranks; every call of the model runs ``microbatches`` (default ``P``) microbatches
+            through the stages by ``"1F1B"`` (default) or ``"gpipe"``, and returns the whole output on every rank
+            (see docs/pipeline_parallel.md). ``pipeline_split_points``: the blocks where stages 1.. begin.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
             naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.
@@ -184,6 +189,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: Literal["1F1B", "gpipe"] = "1F1B",
+        microbatches: int | None = None,
+        pipeline_split_points: list[str] | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -216,6 +225,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
             context_parallel_size=context_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_schedule=pipeline_schedule,
+            microbatches=microbatches,
+            pipeline_split_points=pipeline_split_points,
         )
         self._storage_options = checked_storage_options(storage_options)
         self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]

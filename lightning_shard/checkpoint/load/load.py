@@ -110,6 +110,7 @@ def load_model_and_optimizers(
     # A checkpoint that left weights out: they are checked before the next forward instead of counting as missing
     # (see [Note: weights a checkpoint leaves out]).
     accounted = expect_left_out(engine, module, index.get(LEFT_OUT, {}), directory, strict)
+    available -= other_stages_keys(module, available)  # see [Note: the user's forward runs on every stage]
     result = check_model_keys(module, available | accounted, strict, "The checkpoint",
                               _shape_mismatches(engine, module, index, ties))
 
@@ -163,6 +164,14 @@ def covered_keys(engine: ShardedModule, stored: set[str]) -> set[str]:
         if covered.intersection(p.fqns):
             covered |= set(p.fqns)
     return covered
+
+
+def other_stages_keys(module: nn.Module, keys: set[str]) -> set[str]:
+    """The keys of ``keys`` that other pipeline stages hold: those under a ``SkippedModule`` of ``module``."""
+    from lightning_shard.engine.parallel.pipeline import SkippedModule
+
+    skipped = [name + "." for name, m in module.named_modules() if isinstance(m, SkippedModule)]
+    return {key for key in keys if any(key.startswith(prefix) for prefix in skipped)} if skipped else set()
 
 
 def check_model_keys(
@@ -298,6 +307,9 @@ def _optimizer_state(
     current = [[by_shard[id(q)].fqn for q in group["params"]] for group in optimizer.param_groups]
     position = {name: j for j, name in enumerate(n for group in current for n in group)}
     stored = [group["params"] for group in meta["param_groups"]]
+    if engine.mesh.pipeline is not None:  # a pipeline stage's optimizer holds its own parameters only
+        held = {name for group in current for name in group}
+        stored = [[name for name in group if name in held] for group in stored]
     if [sorted(g) for g in current] != [sorted(g) for g in stored] and (strict or len(stored) != len(current)):
         raise CheckpointError(
             f"Optimizer {i} in the checkpoint has parameter groups {stored}, the model's optimizer has {current}."

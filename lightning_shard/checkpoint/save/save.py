@@ -117,6 +117,12 @@ def prepare_save(
 ) -> PreparedSave:
     """The part of a save every rank must do together on the default group: agree on the temporary directory (for a
     URL: the local staging directory and the save's id) and turn the trainer state into JSON. Collective."""
+    if engine.mesh.pipeline is not None:  # every rank, before any collective
+        raise CheckpointError(
+            f"Saving a checkpoint under pipeline_parallel_size={engine.mesh.pipeline_parallel_size} is not supported"
+            " yet: each stage holds only its own parameters, which the index does not list yet. Save with"
+            " pipeline_parallel_size=1; a checkpoint saved so resumes under pipeline parallelism."
+        )
     checkpoint = dict(checkpoint)
     checkpoint.pop("state_dict", None)
     averaged = checkpoint.pop(AVERAGED_MODEL_KEY, None)  # see [Note: averaged weights in a checkpoint]

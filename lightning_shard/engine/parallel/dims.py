@@ -1,5 +1,6 @@
 """The sizes of the parallel dimensions and the ``DeviceMesh`` they make, as torchtitan's ``parallel_dims.py`` has
-them: data x context x tensor, in that order (tensor-parallel ranks adjacent, the fastest-varying coordinate)."""
+them: pipeline x data x context x tensor, in that order (tensor-parallel ranks adjacent, the fastest-varying
+coordinate; each pipeline stage a contiguous block of ranks)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How the world splits: ``data * context * tensor`` ranks."""
+    """How the world splits: ``pipeline * data * context * tensor`` ranks."""
 
     data: int
     """Ranks that see different batches."""
@@ -20,6 +21,8 @@ class ParallelDims:
     """Ranks that split each sequence of one batch (context parallelism); 1: none."""
     tensor: int = 1
     """Ranks that split each layer by a tensor-parallel plan; 1: none."""
+    pipeline: int = 1
+    """Ranks that each hold a stage of the model's blocks (pipeline parallelism); 1: none."""
 
     @classmethod
     def of_world(cls, world_size: int, context: int = 1, tensor: int = 1) -> ParallelDims:
@@ -34,7 +37,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.data * self.context * self.tensor
+        return self.pipeline * self.data * self.context * self.tensor
 
     @property
     def sharded_ranks(self) -> int:
@@ -43,18 +46,22 @@ class ParallelDims:
 
     def data_parallel_rank(self, global_rank: int) -> int:
         """Which batches ``global_rank`` sees: the ranks of one context x tensor block see the same ones."""
-        return global_rank // (self.context * self.tensor)
+        return (global_rank % (self.data * self.context * self.tensor)) // (self.context * self.tensor)
+
+    def pipeline_rank(self, global_rank: int) -> int:
+        """The stage ``global_rank`` holds."""
+        return global_rank // (self.data * self.context * self.tensor)
 
     def context_parallel_rank(self, global_rank: int) -> int:
         return (global_rank // self.tensor) % self.context
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The ``("data_parallel", "context_parallel", "tensor_parallel")`` ``DeviceMesh``. Collective: every rank
-        calls it, in the same order."""
+        """The ``("data_parallel", "context_parallel", "tensor_parallel")`` ``DeviceMesh``, with
+        ``"pipeline_parallel"`` in front when ``pipeline > 1``. Collective: every rank calls it, in the same order."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(
-            device_type,
-            (self.data, self.context, self.tensor),
-            mesh_dim_names=("data_parallel", "context_parallel", "tensor_parallel"),
-        )
+        shape: tuple[int, ...] = (self.data, self.context, self.tensor)
+        names: tuple[str, ...] = ("data_parallel", "context_parallel", "tensor_parallel")
+        if self.pipeline > 1:
+            shape, names = (self.pipeline, *shape), ("pipeline_parallel", *names)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)

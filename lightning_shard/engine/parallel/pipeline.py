@@ -1,0 +1,531 @@
+"""Pipeline parallelism: the model's blocks split into ``P`` consecutive stages, one per pipeline rank, and each
+call of the model run as ``M`` microbatches flowing from stage to stage.
+
+Use it on a module before sharding it (``ShardStrategy(pipeline_parallel_size=P)`` does this for the Trainer and
+Fabric)::
+
+    split = StageSplit.of(model, is_block, P)      # which blocks each stage holds
+    pipeline = Pipeline.install(model, split, ranks, "1F1B", microbatches=4, device=device)
+    # model is now this stage: the other stages' modules are gone, and model(x) runs the schedule
+    loss = loss_fn(model(x), y)                    # every rank gets the whole output, the same values
+    loss.backward()                                # runs the schedule's backward over the stages
+
+[Note: the user's forward runs on every stage]
+A stage keeps its blocks and, on the first stage, the modules registered before the first block (embeddings), on
+the last the ones after the last block (final norm, head). Every other module that holds parameters is replaced by
+``SkippedModule``: a skipped block passes its first argument through, any other skipped module returns a 0-d zero.
+Each microbatch runs the user's own ``forward`` on every stage: on stage ``s > 0`` the first block of the stage
+takes the activation received from stage ``s - 1`` in place of its first argument (what the skipped modules before
+it computed is thrown away), and on every stage but the last the output of its last block is what is sent on. So
+the model needs no change, provided its blocks pass the hidden state from one to the next as their first argument
+and first (or only) output, and nothing after the blocks reads a value computed before them other than through
+them.
+
+[Note: the whole output on every rank]
+The last stage's output of each microbatch is concatenated along dim 0 and broadcast to every rank of its
+pipeline group, where it comes back from ``model(x)`` as a leaf tensor: whatever the caller computes from it (a
+Lightning ``training_step``'s loss, its logging) is the same value on every stage, the value the unsplit model
+gives. The backward of that loss lands in the leaf's gradient; a hook on it runs the schedule's backward: the last
+stage back-propagates each microbatch's slice of it, every stage sends its input gradients to the stage before.
+``"gpipe"`` keeps each microbatch's graph from the forward and runs the backward afterwards. ``"1F1B"`` computes
+the output without graphs, then in the backward re-runs each microbatch's forward in its one-forward-one-backward
+slot (random state restored, so dropout draws the same masks), holding at most ``P - s`` microbatches' graphs on
+stage ``s`` instead of ``M``: an extra forward in exchange for the loss seeing the whole output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class PipelineError(ValueError):
+    """A model, a batch or a configuration that pipeline parallelism cannot split."""
+
+
+class PipelineSchedule(str, Enum):
+    """The order in which each stage runs its microbatches' forwards and backwards."""
+
+    GPIPE = "gpipe"
+    """Every microbatch forward, then every backward; each stage holds all ``M`` microbatches' activations."""
+    ONE_F_ONE_B = "1F1B"
+    """After ``P - s - 1`` warm-up forwards, stage ``s`` alternates one forward and one backward; see [Note: the
+    whole output on every rank] for the forward it repeats."""
+
+    @classmethod
+    def parse(cls, value: str | PipelineSchedule) -> PipelineSchedule:
+        for member in cls:
+            if value == member or (isinstance(value, str) and value.lower() == member.value.lower()):
+                return member
+        raise ValueError(
+            f"pipeline_schedule must be one of {', '.join(repr(m.value) for m in cls)}, got {value!r}."
+        )
+
+    def bubble_fraction(self, stages: int, microbatches: int) -> float:
+        """The share of a step each stage idles in theory, with forward and backward of one microbatch taking the
+        same time on every stage: ``(P - 1) / (M + P - 1)`` for both schedules."""
+        return (stages - 1) / (microbatches + stages - 1)
+
+
+# Stages #
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Which blocks each stage holds: stage ``s`` holds ``blocks[bounds[s]:bounds[s + 1]]`` (qualified names)."""
+
+    blocks: tuple[str, ...]
+    bounds: tuple[int, ...]
+
+    @classmethod
+    def of(cls, root: nn.Module, is_block: Callable[[nn.Module, str], bool], stages: int,
+           split_points: list[str] | None = None) -> StageSplit:  # fmt: skip
+        """The blocks of ``root`` (the outermost modules ``is_block`` selects, in registration order) in ``stages``
+        consecutive groups: as even as possible (earlier stages take one more), or starting at each of
+        ``split_points`` (names of blocks; stage 0 starts at the first block). Raises ``PipelineError`` naming what
+        cannot be split."""
+        blocks = tuple(name for name, _ in outermost_blocks(root, is_block))
+        if not blocks:
+            raise PipelineError(
+                f"pipeline_parallel_size={stages} splits the model into stages of whole blocks, but no module of"
+                f" {type(root).__name__} is a block by auto_wrap_policy. Pass auto_wrap_policy={{YourBlock}} (the"
+                " class or class name of the transformer block)."
+            )
+        if len(blocks) < stages:
+            raise PipelineError(
+                f"pipeline_parallel_size={stages} needs at least {stages} blocks, one per stage, but"
+                f" {type(root).__name__} has {len(blocks)} ({', '.join(blocks)}). Use a pipeline_parallel_size of at"
+                f" most {len(blocks)}."
+            )
+        if split_points is None:
+            base, extra = divmod(len(blocks), stages)
+            sizes = [base + (1 if s < extra else 0) for s in range(stages)]
+            bounds = [0]
+            for size in sizes:
+                bounds.append(bounds[-1] + size)
+            return cls(blocks, tuple(bounds))
+        unknown = [p for p in split_points if p not in blocks]
+        if unknown or len(split_points) != stages - 1:
+            raise PipelineError(
+                f"pipeline_split_points={split_points} must name {stages - 1} blocks where stages 1..{stages - 1}"
+                f" begin, in order; {'unknown: ' + ', '.join(unknown) + '; ' if unknown else ''}the blocks are"
+                f" {', '.join(blocks)}."
+            )
+        starts = [blocks.index(p) for p in split_points]
+        if starts != sorted(set(starts)) or starts[0] == 0:
+            raise PipelineError(f"pipeline_split_points={split_points} must be increasing and after the first block.")
+        return cls(blocks, (0, *starts, len(blocks)))
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds) - 1
+
+    def stage_blocks(self, stage: int) -> tuple[str, ...]:
+        return self.blocks[self.bounds[stage] : self.bounds[stage + 1]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"blocks": list(self.blocks), "bounds": list(self.bounds)}
+
+
+def outermost_blocks(root: nn.Module, is_block: Callable[[nn.Module, str], bool]) -> list[tuple[str, nn.Module]]:
+    """The modules ``is_block`` selects that sit in no other selected module, in registration order."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            qualified = f"{prefix}{name}"
+            if is_block(child, qualified):
+                found.append((qualified, child))
+            else:
+                visit(child, qualified + ".")
+
+    visit(root, "")
+    return found
+
+
+class SkippedModule(nn.Module):
+    """A module of another pipeline stage: see [Note: the user's forward runs on every stage]."""
+
+    def __init__(self, name: str, is_block: bool) -> None:
+        super().__init__()
+        self.skipped = name
+        self.is_block = is_block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_block and args:
+            return args[0]
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        return torch.zeros((), device=tensors[0].device if tensors else None)
+
+    def extra_repr(self) -> str:
+        return f"{self.skipped!r} on another pipeline stage"
+
+
+def prune_to_stage(root: nn.Module, split: StageSplit, stage: int) -> tuple[nn.Module, nn.Module]:
+    """Replace, in ``root``, every module holding parameters or buffers that stage ``stage`` does not run with a
+    ``SkippedModule``; return the stage's first and last block. Raises ``PipelineError`` for a parameter two stages
+    would share (tied weights), one held by ``root`` itself, or a buffer (not supported yet)."""
+    places: dict[str, int] = {}  # module name -> the stage that holds it
+    parents: dict[str, tuple[nn.Module, str]] = {}
+    seen_block = False
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        nonlocal seen_block
+        for name, child in module.named_children():
+            qualified = f"{prefix}{name}"
+            if qualified in split.blocks:
+                seen_block = True
+                places[qualified], parents[qualified] = _stage_of(split, qualified), (module, name)
+            elif any(b.startswith(qualified + ".") for b in split.blocks):
+                visit(child, qualified + ".")
+            elif _holds_state(child):
+                places[qualified] = split.stages - 1 if seen_block else 0
+                parents[qualified] = (module, name)
+
+    visit(root, "")
+    loose = [n for n, _ in root.named_parameters(recurse=False)] + [n for n, _ in root.named_buffers(recurse=False)]
+    if loose:
+        raise PipelineError(
+            f"{type(root).__name__} holds {', '.join(loose)} directly, which no pipeline stage can own: put them in"
+            " a submodule (an embedding before the blocks, a head after them)."
+        )
+    _refuse_shared_parameters(root, places, split.stages)
+    for name, held_by in places.items():
+        if held_by != stage:
+            parent, attr = parents[name]
+            setattr(parent, attr, SkippedModule(name, is_block=name in split.blocks))
+    modules = dict(root.named_modules())
+    stage_blocks = split.stage_blocks(stage)
+    return modules[stage_blocks[0]], modules[stage_blocks[-1]]
+
+
+def _stage_of(split: StageSplit, block: str) -> int:
+    index = split.blocks.index(block)
+    return next(s for s in range(split.stages) if split.bounds[s] <= index < split.bounds[s + 1])
+
+
+def _holds_state(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
+
+
+def _refuse_shared_parameters(root: nn.Module, places: dict[str, int], stages: int) -> None:
+    """A parameter registered under two names that two stages would hold (an embedding tied to the head), and
+    buffers, which the stages do not synchronise yet."""
+    def place(name: str) -> int:
+        return next(stage for module, stage in places.items() if name.startswith(module + "."))
+
+    names: dict[int, list[str]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for aliases in names.values():
+        if len(aliases) > 1 and len({place(a) for a in aliases}) > 1:
+            raise PipelineError(
+                f"The parameter {' = '.join(aliases)} is shared by modules on different pipeline stages (tied"
+                " weights), which pipeline parallelism cannot split. Untie them (give the head its own weight), or"
+                " use pipeline_parallel_size=1."
+            )
+    buffers = [n for n, _ in root.named_buffers()]
+    if buffers:
+        raise PipelineError(
+            f"pipeline_parallel_size={stages} does not support models with buffers yet; the model has"
+            f" {', '.join(buffers[:5])}{' ...' if len(buffers) > 5 else ''}."
+        )
+
+
+# Ranks #
+
+
+@dataclass
+class PipelineRanks:
+    """This rank's place in its pipeline group: the ranks of one data x context x tensor coordinate, one per
+    stage, in stage order."""
+
+    group: ProcessGroup
+    size: int
+    stage: int
+    global_ranks: list[int]
+
+    @classmethod
+    def of(cls, device_mesh: DeviceMesh) -> PipelineRanks:
+        """The pipeline ranks of a 1-D mesh (``device_mesh["pipeline_parallel"]``)."""
+        group = device_mesh.get_group()
+        return cls(group, device_mesh.size(), device_mesh.get_local_rank(), dist.get_process_group_ranks(group))
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+
+# Runtime #
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+_HEADER = 10  # dtype code, ndim, up to 8 sizes; dtype code -1: the sender raised (see _refuse_everywhere)
+
+
+@dataclass
+class _Microbatch:
+    args: tuple
+    kwargs: dict
+    rng: Tensor | None = None  # the CPU random state its first forward started from
+    received: Tensor | None = None  # the activation from the stage before (a leaf, when it has a graph)
+    output: Tensor | None = None
+
+
+@dataclass
+class Pipeline:
+    """The schedule of one pipelined module: see [Note: the whole output on every rank]."""
+
+    module: nn.Module
+    ranks: PipelineRanks
+    schedule: PipelineSchedule
+    microbatches: int
+    device: torch.device
+    first_block: nn.Module
+    last_block: nn.Module
+    _batches: list[_Microbatch] = field(default_factory=list)
+    _current: _Microbatch | None = None
+    _captured: Tensor | None = None
+    _inside: bool = False
+    _sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
+    timings: list[tuple[str, int, float]] = field(default_factory=list)  # (phase, microbatch, seconds)
+    record_timings: bool = False
+
+    @classmethod
+    def install(cls, module: nn.Module, split: StageSplit, ranks: PipelineRanks, schedule: PipelineSchedule,
+                microbatches: int, device: torch.device) -> Pipeline:  # fmt: skip
+        """Prune ``module`` to this rank's stage and make each outermost call of it a run of the schedule."""
+        first, last = prune_to_stage(module, split, ranks.stage)
+        pipeline = cls(module, ranks, schedule, microbatches, device, first, last)
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if pipeline._inside:
+                return original(*args, **kwargs)
+            return pipeline.run(args, kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+        first.register_forward_pre_hook(pipeline._take_received, with_kwargs=True)
+        last.register_forward_hook(pipeline._capture)
+        return pipeline
+
+    # Hooks: see [Note: the user's forward runs on every stage] #
+
+    def _take_received(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._current is None or self._current.received is None:
+            return None
+        return (self._current.received, *args[1:]), kwargs
+
+    def _capture(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._current is not None:
+            self._captured = output[0] if isinstance(output, tuple) else output
+
+    # Forward #
+
+    def run(self, args: tuple, kwargs: dict) -> Tensor:
+        """The whole output of the model on ``args``/``kwargs``, on every rank of the pipeline group."""
+        self._wait_sends()
+        self._batches = [_Microbatch(a, k) for a, k in split_microbatches(args, kwargs, self.microbatches)]
+        grad = torch.is_grad_enabled()
+        keeps_graphs = grad and self.schedule is PipelineSchedule.GPIPE
+        outputs: list[Tensor] = []
+        with torch.set_grad_enabled(keeps_graphs):
+            for i, batch in enumerate(self._batches):
+                batch.rng = torch.get_rng_state()
+                out = self._forward_one(i, batch, keeps_graphs)
+                if self.ranks.is_last:
+                    outputs.append(out.detach())
+        self._wait_sends()
+        whole = self._broadcast_output(outputs)
+        if not grad:
+            self._batches = []
+            return whole
+        whole.requires_grad_(True)
+        whole.register_post_accumulate_grad_hook(self._backward)
+        return whole
+
+    def _forward_one(self, index: int, batch: _Microbatch, graph: bool) -> Tensor:
+        ranks = self.ranks
+        if not ranks.is_first:
+            batch.received = self._recv(ranks.global_ranks[ranks.stage - 1])
+            if graph:
+                batch.received.requires_grad_(True)
+        self._current, self._captured, self._inside = batch, None, True
+        try:
+            out = self.module(*batch.args, **batch.kwargs)
+        finally:
+            self._current, self._inside = None, False
+        if not ranks.is_last:
+            out = self._captured
+            if not isinstance(out, Tensor):
+                raise PipelineError(
+                    f"The last block of pipeline stage {ranks.stage} ({type(self.last_block).__name__}) did not run"
+                    " or returned no tensor: each stage's blocks must be called in the model's forward, each taking"
+                    " and returning the hidden state."
+                )
+            self._send(out.detach(), ranks.global_ranks[ranks.stage + 1])
+        elif not isinstance(out, Tensor):
+            self._refuse_everywhere(type(out).__name__)
+        if graph:
+            batch.output = out
+        return out
+
+    def _broadcast_output(self, outputs: list[Tensor]) -> Tensor:
+        src = self.ranks.global_ranks[-1]
+        if self.ranks.is_last:
+            whole = torch.cat(outputs).contiguous()
+            dist.broadcast(_header(whole, self.device), src, group=self.ranks.group)
+            dist.broadcast(whole, src, group=self.ranks.group)
+            return whole.clone()
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, src, group=self.ranks.group)
+        whole = _empty_from(header, self.device)
+        dist.broadcast(whole, src, group=self.ranks.group)
+        return whole
+
+    def _refuse_everywhere(self, found: str) -> None:
+        """The last stage's output is no tensor: tell the other ranks (waiting for its broadcast), then raise."""
+        header = torch.full((_HEADER,), -1, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, self.ranks.global_ranks[-1], group=self.ranks.group)
+        raise PipelineError(_not_a_tensor(found))
+
+    # Backward #
+
+    def _backward(self, whole: Tensor) -> None:
+        """Runs when the backward reaches the whole output: the schedule's backward (see [Note: the whole output
+        on every rank])."""
+        assert whole.grad is not None
+        grads = list(torch.tensor_split(whole.grad, self.microbatches)) if self.ranks.is_last else []
+        with torch.enable_grad():
+            if self.schedule is PipelineSchedule.GPIPE:
+                for i in range(len(self._batches)):
+                    self._backward_one(i, grads)
+            else:
+                self._one_forward_one_backward(grads)
+        self._wait_sends()
+        self._batches = []
+
+    def _one_forward_one_backward(self, grads: list[Tensor]) -> None:
+        count, stage = len(self._batches), self.ranks.stage
+        warmup = min(self.ranks.size - stage - 1, count)
+        forwards = backwards = 0
+        for _ in range(warmup):
+            self._recompute(forwards)
+            forwards += 1
+        while forwards < count:
+            self._recompute(forwards)
+            forwards += 1
+            self._backward_one(backwards, grads)
+            backwards += 1
+        while backwards < count:
+            self._backward_one(backwards, grads)
+            backwards += 1
+
+    def _recompute(self, index: int) -> None:
+        batch = self._batches[index]
+        assert batch.rng is not None
+        state = torch.get_rng_state()
+        torch.set_rng_state(batch.rng)
+        try:
+            self._forward_one(index, batch, graph=True)
+        finally:
+            torch.set_rng_state(state)
+
+    def _backward_one(self, index: int, grads: list[Tensor]) -> None:
+        batch, ranks = self._batches[index], self.ranks
+        grad = grads[index] if ranks.is_last else self._recv(ranks.global_ranks[ranks.stage + 1])
+        assert batch.output is not None
+        torch.autograd.backward(batch.output, grad)
+        batch.output = None
+        if not ranks.is_first:
+            assert batch.received is not None
+            received = batch.received.grad
+            self._send(received if received is not None else torch.zeros_like(batch.received),
+                       ranks.global_ranks[ranks.stage - 1])  # fmt: skip
+            batch.received = None
+
+    # Point to point: a header (dtype, shape), then the data #
+
+    def _send(self, tensor: Tensor, dst: int) -> None:
+        tensor = tensor.contiguous()
+        header = _header(tensor, self.device)
+        for sent in (header, tensor):
+            work = dist.isend(sent, dst)
+            assert work is not None  # this rank is in the default group
+            self._sends.append((work, sent))
+
+    def _recv(self, src: int) -> Tensor:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, src)
+        tensor = _empty_from(header, self.device)
+        dist.recv(tensor, src)
+        return tensor
+
+    def _wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+
+def _header(tensor: Tensor, device: torch.device) -> Tensor:
+    if tensor.dim() > _HEADER - 2:
+        raise PipelineError(f"An activation of {tensor.dim()} dimensions is more than a pipeline stage can send.")
+    values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=device)
+
+
+def _empty_from(header: Tensor, device: torch.device) -> Tensor:
+    code, ndim, *sizes = header.tolist()
+    if code < 0:
+        raise PipelineError(_not_a_tensor("something other than a tensor"))
+    return torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=device)
+
+
+def _not_a_tensor(found: str) -> str:
+    return (
+        f"The pipelined model returned {found}; under pipeline parallelism its forward must return one tensor"
+        " (the logits), which every stage receives. Compute the loss from it outside the model."
+    )
+
+
+def split_microbatches(args: tuple, kwargs: dict, microbatches: int) -> Iterator[tuple[tuple, dict]]:
+    """``microbatches`` consecutive slices along dim 0 of every tensor of ``args``/``kwargs`` whose dim 0 is the
+    batch size (that of the first tensor); other values are passed whole to each. Raises ``PipelineError`` when
+    ``microbatches`` does not divide the batch size."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0]
+    if not tensors:
+        raise PipelineError("The pipelined model was called without a tensor argument to split into microbatches.")
+    size = tensors[0].size(0)
+    if size % microbatches:
+        raise PipelineError(
+            f"microbatches={microbatches} does not divide the batch size {size} that the model was called with:"
+            f" each microbatch must hold the same number of samples. Use a batch size that is a multiple of"
+            f" {microbatches} (drop_last=True in the DataLoader for a short last batch), or other microbatches."
+        )
+    step = size // microbatches
+    for i in range(microbatches):
+        cut = [leaf[i * step : (i + 1) * step] if isinstance(leaf, Tensor) and leaf.dim() > 0 and
+               leaf.size(0) == size else leaf for leaf in leaves]  # fmt: skip
+        yield tree_unflatten(cut, spec)
+
+
+def measured_bubble(busy_seconds: float, step_seconds: float) -> float:
+    """The share of a step a stage spent outside its own forwards and backwards."""
+    return max(0.0, 1.0 - busy_seconds / step_seconds) if step_seconds > 0 and math.isfinite(busy_seconds) else 0.0

@@ -1,0 +1,169 @@
+"""``ShardStrategy(pipeline_parallel_size=P)`` under the Trainer and Fabric, on pooled gloo ranks: the losses
+``training_step`` returns and the trained weights equal DDP's on the same global batch (P=2 on 2 ranks, 2 stages x
+2 data-parallel ranks on 4, for every schedule), checkpoints resume across pipeline sizes, and what cannot be split
+is refused. In fresh processes under Lightning's launcher: tests/test_pipeline_parallel_launch.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_shard import ShardStrategy
+from lightning_shard.engine.parallel.pipeline import PipelineError, StageSplit, prune_to_stage, split_microbatches
+from lightning_shard.engine.policies import ModuleClassWrapPolicy
+from lightning_shard.engine.sharded_module import sharded_module_of
+from lightning_shard.testing import run_on_ranks
+from tests.context_parallel_models import Block, CausalLM, LitCausalLM, lm_loss, token_batches, token_loader
+from tests.fits import full_params, trainer_for
+from tests.test_parity import assert_same_training
+
+STEPS = 10
+
+
+def fit(rank: int, world_size: int, engine: str, steps: int = STEPS, save: str | None = None,
+        resume: str | None = None, samples: int = 48, trainer_kwargs: dict | None = None,
+        **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """Train the causal LM on 4 sequences per data-parallel rank; return this rank's losses, and the whole model's
+    weights (every stage's, gathered)."""
+    L.seed_everything(0)
+    module = LitCausalLM()
+    strategy = DDPStrategy() if engine == "ddp" else ShardStrategy(auto_wrap_policy={Block}, **strategy_kwargs)
+    trainer = trainer_for(strategy, world_size, steps, **(trainer_kwargs or {}))
+    trainer.fit(module, train_dataloaders=token_loader(batch=4, samples=samples), ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    if engine == "ddp":
+        return {"losses": module.losses, "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+    stage = full_params(strategy.engine)
+    everything: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(everything, stage)
+    params = {name: value for part in everything for name, value in part.items()}
+    return {"losses": module.losses, "params": params, "mesh": strategy.device_mesh.mesh_dim_names}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1F1B"])
+@pytest.mark.parametrize("world_size", [2, 4], ids=["pipeline2", "pipeline2-data2"])
+def test_trainer_trains_as_ddp_on_the_global_batch(world_size: int, schedule: str) -> None:
+    """Every rank's ``training_step`` returns its data-parallel rank's loss, DDP's on the same batch, and the
+    weights are DDP's after the steps."""
+    data = world_size // 2
+    ours = run_on_ranks(fit, world_size, "shard", pipeline_parallel_size=2, pipeline_schedule=schedule,
+                        microbatches=2)  # fmt: skip
+    reference = run_on_ranks(fit, data, "ddp")
+    assert ours[0]["mesh"] == ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
+    assert_same_training(ours, [reference[rank % data] for rank in range(world_size)])
+
+
+def test_a_checkpoint_saved_without_pipeline_resumes_at_two_stages(tmp_path: Path) -> None:
+    """A save after 5 steps at P=1 resumes at P=2 (each stage reading its own parameters' rows and optimizer state)
+    and continues with the losses and weights of the uninterrupted run (one batch per epoch, so that the resumed fit
+    sees what the uninterrupted one saw)."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(fit, 1, "shard", steps=5, save=path, samples=4)
+    ours = run_on_ranks(fit, 2, "shard", resume=path, samples=4, pipeline_parallel_size=2)
+    whole = run_on_ranks(fit, 1, "ddp", samples=4)[0]
+    for rank, result in enumerate(ours):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(whole["losses"][5:]),
+                                   msg=f"rank {rank}")  # fmt: skip
+        assert result["params"].keys() == whole["params"].keys()
+        for name, value in whole["params"].items():
+            torch.testing.assert_close(result["params"][name], value, msg=f"{name}, rank {rank}")
+
+
+def fabric_steps(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    strategy = FabricShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                                   microbatches=2)  # fmt: skip
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    reference, model = CausalLM(), CausalLM()
+    model.load_state_dict(reference.state_dict())
+    module = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9))
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    losses, ref_losses = [], []
+    for x, y, pos in token_batches(3, 4):
+        loss = lm_loss(module, x, y, pos)
+        fabric.backward(loss)
+        fabric.clip_gradients(module, optimizer, max_norm=0.5)
+        ref_loss = lm_loss(reference, x, y, pos)
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    engine = sharded_module_of(model)
+    assert engine is not None
+    everything: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(everything, full_params(engine))
+    return {"losses": losses, "ref_losses": ref_losses,
+            "params": {name: value for part in everything for name, value in part.items()},
+            "reference": {n: p.detach() for n, p in reference.named_parameters()}}  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1F1B"])
+def test_fabric_trains_as_the_whole_model_with_clipping_across_stages(schedule: str) -> None:
+    """The loss computed from the set-up module's output is the whole model's on every rank, and clipping by the
+    global norm (over both stages' parameters) leaves the weights of the unsplit model clipped alike."""
+    for rank, result in enumerate(run_on_ranks(fabric_steps, 2, schedule)):
+        torch.testing.assert_close(result["losses"], result["ref_losses"], msg=f"losses, rank {rank}")
+        assert result["params"].keys() == result["reference"].keys()
+        for name, value in result["reference"].items():
+            torch.testing.assert_close(result["params"][name], value, msg=f"{name}, rank {rank}")
+
+
+# Refusals: before any process group or collective, the same on every rank #
+
+
+def test_more_stages_than_blocks_are_refused_naming_the_blocks() -> None:
+    with pytest.raises(PipelineError, match=r"needs at least 3 blocks, one per stage, but CausalLM has 2"):
+        StageSplit.of(CausalLM(), ModuleClassWrapPolicy(frozenset({Block})), 3)
+
+
+def test_a_model_without_blocks_by_the_rule_is_refused_naming_it() -> None:
+    with pytest.raises(PipelineError, match=r"no module of CausalLM is a block by auto_wrap_policy"):
+        StageSplit.of(CausalLM(), ModuleClassWrapPolicy(frozenset({"GPT2Block"})), 2)
+
+
+def test_microbatches_that_do_not_divide_the_batch_are_refused() -> None:
+    x = torch.zeros(6, 4)
+    with pytest.raises(PipelineError, match=r"microbatches=4 does not divide the batch size 6"):
+        list(split_microbatches((x,), {}, 4))
+    assert [a[0].shape[0] for a, _ in split_microbatches((x,), {}, 3)] == [2, 2, 2]
+
+
+def test_weights_tied_across_stages_are_refused_naming_them() -> None:
+    model = CausalLM()
+    model.head.weight = model.wte.weight
+    split = StageSplit.of(model, ModuleClassWrapPolicy(frozenset({Block})), 2)
+    with pytest.raises(PipelineError, match=r"head.weight = wte.weight|wte.weight = head.weight"):
+        prune_to_stage(model, split, 0)
+
+
+def test_a_stage_keeps_only_its_blocks_and_ends() -> None:
+    model = CausalLM(layers=4)
+    split = StageSplit.of(model, ModuleClassWrapPolicy(frozenset({Block})), 2, split_points=["blocks.3"])
+    assert split.stage_blocks(0) == ("blocks.0", "blocks.1", "blocks.2")
+    prune_to_stage(model, split, 1)
+    assert {name.split(".")[0] for name, _ in model.named_parameters()} == {"blocks", "norm", "head"}
+    assert {name.split(".")[1] for name, _ in model.named_parameters() if name.startswith("blocks")} == {"3"}
+
+
+def test_bad_pipeline_arguments_are_refused_when_the_strategy_is_built() -> None:
+    with pytest.raises(ValueError, match=r"pipeline_schedule must be one of 'gpipe', '1F1B'"):
+        ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, pipeline_schedule="zigzag")
+    with pytest.raises(ValueError, match=r"splits the model into stages of whole blocks"):
+        ShardStrategy(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"with tensor_parallel_size=2 is not supported yet"):
+        ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"microbatches must be a positive int"):
+        ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, microbatches=0)
