@@ -42,7 +42,8 @@ def setup_sharded_module(
             " memory. It offloads when training on GPUs."
         )
     sharded_before = sharded_module_of(module) is not None
-    if mesh.pipeline is not None and not sharded_before:  # keep this rank's stage only, before anything is sharded
+    if options.pipeline_parallel_size > 1 and not sharded_before:  # keep this rank's stage only, before sharding
+        assert mesh.pipeline is not None  # start_mesh builds it for pipeline_parallel_size > 1
         install_pipeline(module, options, mesh.pipeline, device)
     engine = shard_module(
         module, mesh, options.sharding_strategy, options.wrap_policy, device, mixed_precision, cpu_offload=offloads,

@@ -293,7 +293,7 @@ def build_shard_mesh(
         else:
             columns = [list(range(col, world // tp, shard_size)) for col in range(shard_size)]
             mesh.replicate_group = groups(columns, mesh.shard_rank)
-    if tp > 1 and (replicas > 1) == (shard_size > 1):  # both axes, or neither: the column's own group
+    if (tp > 1 or pp > 1) and (replicas > 1) == (shard_size > 1):  # both axes or neither: the column's own group
         mesh.column_data_parallel_group = groups([list(range(world // tp))], 0)
     mesh.shard_backend = dist.get_backend(mesh.shard_group) if mesh.shard_group is not None else None
     return mesh
