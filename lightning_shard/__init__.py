@@ -6,13 +6,13 @@ Importing the package registers the strategy names ``"shard"``, ``"shard_grad_op
 
 Importing it imports neither torch nor Lightning: each name below is imported from its module when first read
 (``lightning_shard.lazy``), and the names are registered once Lightning is imported (see [Note: registering
-without importing Lightning] in ``lightning_shard.common.registry``).
+without importing Lightning] in ``lightning_shard.registration``).
 """
 
 from typing import TYPE_CHECKING
 
-from lightning_shard.common.registry import register_on_import
 from lightning_shard.lazy import lazy_attributes
+from lightning_shard.registration import register_on_import
 
 __version__ = "0.1.0"
 

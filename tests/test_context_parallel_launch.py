@@ -3,14 +3,11 @@ users run it: 2 data x 2 context ranks train as DDP on 2 ranks, for our causal L
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.jobs import free_port, job_env
+from tests.jobs import launch_role
 from tests.test_parity import assert_same_training
 
 pytestmark = pytest.mark.launch
@@ -19,11 +16,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "context_parallel_fit.py"
 
 
 def _launch(root: Path, role: str, devices: int) -> list[dict]:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--role", role, "--devices", str(devices), "--root", str(root)],
-                          capture_output=True, text=True, timeout=900,
-                          env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))  # fmt: skip
-    assert done.returncode == 0, f"{role}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
-    return [torch.load(root / f"{role}-{rank}.pt") for rank in range(devices)]
+    return launch_role(SCRIPT, root, role, devices)
 
 
 def test_two_by_two_trains_as_ddp_on_two_ranks(tmp_path: Path) -> None:

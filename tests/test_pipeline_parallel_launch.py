@@ -3,14 +3,12 @@ as users run it: two stages on two ranks train as the unsplit model, under the T
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.jobs import free_port, job_env
+from tests.jobs import launch_role
 
 pytestmark = pytest.mark.launch
 
@@ -18,11 +16,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "pipeline_parallel_fit.py"
 
 
 def _launch(root: Path, role: str, devices: int) -> list[dict]:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--role", role, "--devices", str(devices), "--root", str(root)],
-                          capture_output=True, text=True, timeout=900,
-                          env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))  # fmt: skip
-    assert done.returncode == 0, f"{role}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
-    return [torch.load(root / f"{role}-{rank}.pt") for rank in range(devices)]
+    return launch_role(SCRIPT, root, role, devices)
 
 
 def _assert_same(ours: dict, expected: dict, what: str) -> None:
