@@ -40,12 +40,14 @@ class Block(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, tied: bool = False) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(4 * SEQ, DIM)
         self.blocks = nn.Sequential(*(Block() for _ in range(layers)))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
+        if tied:  # the embedding is the head's weight, as in GPT-2
+            self.head.weight = self.wte.weight
 
     def forward(self, idx: Tensor, position_ids: Tensor) -> Tensor:
         return self.head(self.norm(self.blocks(self.wte(idx) + self.wpe(position_ids))))
@@ -78,15 +80,15 @@ class LitCausalLM(L.LightningModule):
     context parallelism. Records the loss ``training_step`` returns; SGD with momentum (its step is proportional to
     the gradient, so rounding-level gradients stay rounding-level weights)."""
 
-    def __init__(self, tensor_parallel: bool = False) -> None:
+    def __init__(self, tensor_parallel: bool = False, tied: bool = False) -> None:
         super().__init__()
-        self.tensor_parallel = tensor_parallel
+        self.tensor_parallel, self.tied = tensor_parallel, tied
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
             return
-        self.model = CausalLM()
+        self.model = CausalLM(tied=self.tied)
         if self.tensor_parallel:
             from torch.distributed.tensor.parallel import parallelize_module
 

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_shard import ShardStrategy
+from lightning_shard.common.setup import repeated_blocks
 from lightning_shard.engine.parallel.pipeline import PipelineError, StageSplit, prune_to_stage, split_microbatches
 from lightning_shard.engine.policies import ModuleClassWrapPolicy
 from lightning_shard.engine.sharded_module import sharded_module_of
@@ -26,24 +27,25 @@ STEPS = 10
 
 
 def fit(rank: int, world_size: int, engine: str, steps: int = STEPS, save: str | None = None,
-        resume: str | None = None, samples: int = 48, trainer_kwargs: dict | None = None,
+        resume: str | None = None, samples: int = 48, trainer_kwargs: dict | None = None, tied: bool = False,
         **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
-    """Train the causal LM on 4 sequences per data-parallel rank; return this rank's losses, and the whole model's
-    weights (every stage's, gathered)."""
+    """Train the causal LM (``tied``: its embedding is its head's weight) on 4 sequences per data-parallel rank;
+    return this rank's losses, and the whole model's weights (every stage's, gathered)."""
     L.seed_everything(0)
-    module = LitCausalLM()
-    strategy = DDPStrategy() if engine == "ddp" else ShardStrategy(auto_wrap_policy={Block}, **strategy_kwargs)
+    module = LitCausalLM(tied=tied)
+    strategy = DDPStrategy() if engine == "ddp" else ShardStrategy(**({"auto_wrap_policy": {Block}} | strategy_kwargs))
     trainer = trainer_for(strategy, world_size, steps, **(trainer_kwargs or {}))
     trainer.fit(module, train_dataloaders=token_loader(batch=4, samples=samples), ckpt_path=resume)
     if save is not None:
         trainer.save_checkpoint(save)
     if engine == "ddp":
-        return {"losses": module.losses, "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+        named = module.named_parameters(remove_duplicate=False)  # a tied weight under each name, as full_params
+        return {"losses": module.losses, "params": {n: p.detach().clone() for n, p in named}}
     stage = full_params(strategy.engine)
     everything: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(everything, stage)
     params = {name: value for part in everything for name, value in part.items()}
-    return {"losses": module.losses, "params": params, "mesh": strategy.device_mesh.mesh_dim_names}
+    return {"losses": module.losses, "params": params, "stage": stage, "mesh": strategy.device_mesh.mesh_dim_names}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1F1B"])
@@ -141,12 +143,38 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused() -> None:
     assert [a[0].shape[0] for a, _ in split_microbatches((x,), {}, 3)] == [2, 2, 2]
 
 
-def test_weights_tied_across_stages_are_refused_naming_them() -> None:
-    model = CausalLM()
-    model.head.weight = model.wte.weight
-    split = StageSplit.of(model, ModuleClassWrapPolicy(frozenset({Block})), 2)
-    with pytest.raises(PipelineError, match=r"head.weight = wte.weight|wte.weight = head.weight"):
-        prune_to_stage(model, split, 0)
+@pytest.mark.parametrize("world_size", [2, 4], ids=["pipeline2", "pipeline2-data2"])
+def test_an_embedding_tied_to_the_head_trains_as_ddp_with_clipping(world_size: int) -> None:
+    """The embedding on the first stage and the head on the last share one weight: both stages keep it, sum its
+    gradient, count it once in the clipped norm, and take DDP's steps."""
+    data = world_size // 2
+    clip = {"gradient_clip_val": 0.5}
+    blocks = None if world_size == 2 else {Block}  # on 2 ranks, the blocks the model repeats
+    ours = run_on_ranks(fit, world_size, "shard", tied=True, trainer_kwargs=clip, pipeline_parallel_size=2,
+                        microbatches=2, auto_wrap_policy=blocks)  # fmt: skip
+    reference = run_on_ranks(fit, data, "ddp", tied=True, trainer_kwargs=clip)
+    assert_same_training(ours, [reference[rank % data] for rank in range(world_size)])
+    for rank, result in enumerate(ours):  # each stage's own copy, not only the one the gathered dict kept
+        name = "model.wte.weight" if rank < data else "model.head.weight"
+        torch.testing.assert_close(result["stage"][name], reference[0]["params"][name], msg=f"rank {rank}")
+
+
+def test_without_auto_wrap_policy_the_blocks_are_the_longest_list_of_repeated_modules() -> None:
+    assert repeated_blocks(CausalLM(layers=3)) == ModuleClassWrapPolicy(frozenset({Block}))
+    mixed = torch.nn.Sequential(torch.nn.ModuleList([Block(), torch.nn.Linear(2, 2)]), torch.nn.Linear(2, 2))
+    with pytest.raises(PipelineError, match=r"has no nn.ModuleList or nn.Sequential of repeated blocks"):
+        repeated_blocks(mixed)
+
+
+def test_each_stage_keeps_the_weights_it_shares_under_every_name() -> None:
+    for stage in (0, 1):
+        model = CausalLM(tied=True)
+        split = StageSplit.of(model, ModuleClassWrapPolicy(frozenset({Block})), 2)
+        kept = prune_to_stage(model, split, stage)
+        assert [(t.names, t.stages) for t in kept.ties] == [(("wte.weight", "head.weight"), (0, 1))]
+        assert model.wte.weight is model.head.weight
+        assert "wte.weight" in model.state_dict() and "head.weight" in model.state_dict()
+        assert ("head.bias" in model.state_dict()) == (stage == 1)
 
 
 def test_a_stage_keeps_only_its_blocks_and_ends() -> None:
@@ -162,7 +190,7 @@ def test_bad_pipeline_arguments_are_refused_when_the_strategy_is_built() -> None
     with pytest.raises(ValueError, match=r"pipeline_schedule must be one of 'gpipe', '1F1B'"):
         ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, pipeline_schedule="zigzag")
     with pytest.raises(ValueError, match=r"splits the model into stages of whole blocks"):
-        ShardStrategy(pipeline_parallel_size=2)
+        ShardStrategy(pipeline_parallel_size=2, auto_wrap_policy=True)
     with pytest.raises(ValueError, match=r"with tensor_parallel_size=2 is not supported yet"):
         ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"microbatches must be a positive int"):

@@ -173,8 +173,9 @@ def _pipeline_options(
     size: object, schedule: object, microbatches: object, split_points: object, auto_wrap_policy: object, *,
     tensor_parallel_size: object, context_parallel_size: int, sharding_strategy: ShardingStrategy,
 ) -> dict[str, Any]:  # fmt: skip
-    """The pipeline arguments, checked: the stages are whole blocks by ``auto_wrap_policy`` (classes or names), and
-    what pipeline parallelism does not compose with yet is refused, naming it."""
+    """The pipeline arguments, checked: the stages are whole blocks by ``auto_wrap_policy`` (classes or names; none:
+    the model's repeated blocks, found at set-up), and what pipeline parallelism does not compose with yet is
+    refused, naming it."""
     size = _positive_int(size, "pipeline_parallel_size")
     parsed = PipelineSchedule.parse(schedule)  # type: ignore[arg-type]
     count = None if microbatches is None else _positive_int(microbatches, "microbatches")
@@ -192,7 +193,7 @@ def _pipeline_options(
                 " data-parallel ranks (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD). See the composition table in"
                 " docs/pipeline_parallel.md."
             )
-        if auto_wrap_policy is None or isinstance(auto_wrap_policy, (int, bool)):
+        if isinstance(auto_wrap_policy, (int, bool)):
             raise ValueError(
                 f"pipeline_parallel_size={size} splits the model into stages of whole blocks, which auto_wrap_policy"
                 f" names; got {auto_wrap_policy!r}. Pass auto_wrap_policy={{YourBlock}} (the block class, or its"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_shard.common.options import ShardOptions
@@ -21,7 +22,7 @@ from lightning_shard.engine.parallel.pipeline import (
     StageSplit,
     outermost_blocks,
 )
-from lightning_shard.engine.policies import GradSync
+from lightning_shard.engine.policies import GradSync, ModuleClassWrapPolicy, WrapPolicy
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
 
 
@@ -42,14 +43,19 @@ def setup_sharded_module(
             " memory. It offloads when training on GPUs."
         )
     sharded_before = sharded_module_of(module) is not None
+    policy, stage = options.wrap_policy, None
     if options.pipeline_parallel_size > 1 and not sharded_before:  # keep this rank's stage only, before sharding
         assert mesh.pipeline is not None  # start_mesh builds it for pipeline_parallel_size > 1
-        install_pipeline(module, options, mesh.pipeline, device)
+        stage = install_pipeline(module, options, mesh.pipeline, device)
+        policy = stage.blocks
     engine = shard_module(
-        module, mesh, options.sharding_strategy, options.wrap_policy, device, mixed_precision, cpu_offload=offloads,
+        module, mesh, options.sharding_strategy, policy, device, mixed_precision, cpu_offload=offloads,
         param_init=options.param_init, cpu_allocator=options.cpu_allocator,
     )
     engine.buffer_sync.enabled = options.broadcast_buffers
+    if stage is not None:  # the ties' names are under the pipelined submodule's
+        prefix = stage.prefix + "." if stage.prefix else ""
+        stage.pipeline.bind_ties({n.removeprefix(prefix): p.sharded for p in engine.sharded_params() for n in p.fqns})
     if len(engine.units) == 1 and mesh.shard_size > 1 and not sharded_before:
         rank_zero_warn(
             f"ShardStrategy made the whole {type(module).__name__} one unit: no auto_wrap_policy and no wrap() or"
@@ -67,11 +73,23 @@ def setup_sharded_module(
     return engine
 
 
-def install_pipeline(module: nn.Module, options: ShardOptions, ranks: PipelineRanks, device: torch.device) -> None:
+@dataclass(frozen=True)
+class InstalledPipeline:
+    """This rank's stage of a module: its schedule, the name of the submodule that runs it (``""``: the module),
+    and the block rule that split it (also the units it is sharded by)."""
+
+    pipeline: Pipeline
+    prefix: str
+    blocks: WrapPolicy
+
+
+def install_pipeline(
+    module: nn.Module, options: ShardOptions, ranks: PipelineRanks, device: torch.device
+) -> InstalledPipeline:
     """Prune ``module`` to this rank's pipeline stage and make each outermost call of its pipelined submodule (see
-    ``pipelined_submodule``) a run of the schedule. The split is recorded on the module for checkpoints."""
-    assert options.wrap_policy is not None  # ShardOptions refuses pipeline parallelism without one
-    is_block = options.wrap_policy
+    ``pipelined_submodule``) a run of the schedule. The blocks are ``auto_wrap_policy``'s, or without one the
+    model's repeated blocks (see ``repeated_blocks``). The split is recorded on the module for checkpoints."""
+    is_block = options.wrap_policy if options.wrap_policy is not None else repeated_blocks(module)
     if not callable(is_block):
         raise PipelineError(
             f"pipeline_parallel_size={options.pipeline_parallel_size} needs blocks named by class, class name or a"
@@ -84,6 +102,31 @@ def install_pipeline(module: nn.Module, options: ShardOptions, ranks: PipelineRa
                                 options.microbatches or options.pipeline_parallel_size, device)  # fmt: skip
     module._pipeline = pipeline  # type: ignore[assignment]
     module._pipeline_split = (name, split)  # type: ignore[assignment]
+    return InstalledPipeline(pipeline, name, is_block)
+
+
+def repeated_blocks(root: nn.Module) -> ModuleClassWrapPolicy:
+    """The block rule of a model given no ``auto_wrap_policy``: the class of the children of its longest
+    ``nn.ModuleList`` or ``nn.Sequential`` whose children (at least two) are all of one class (a transformer's
+    layers). Raises ``PipelineError`` when it has none."""
+    found: list[tuple[int, str, type[nn.Module]]] = []
+    for name, m in root.named_modules():
+        children = list(m.children())
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(children) > 1:
+            if len({type(c) for c in children}) == 1:
+                found.append((len(children), name, type(children[0])))
+    if not found:
+        raise PipelineError(
+            f"pipeline_parallel_size splits the model into stages of whole blocks, but {type(root).__name__} has no"
+            " nn.ModuleList or nn.Sequential of repeated blocks to split, and no auto_wrap_policy names them. Pass"
+            " auto_wrap_policy={YourBlock} (the class or class name of the transformer block)."
+        )
+    count, name, cls = max(found, key=lambda item: item[0])  # the first of the longest
+    rank_zero_info(
+        f"pipeline_parallel_size splits {type(root).__name__} at its {count} {cls.__name__} blocks ({name}), which"
+        " are also its sharding units; pass auto_wrap_policy to choose other blocks."
+    )
+    return ModuleClassWrapPolicy(frozenset({cls}))
 
 
 def pipelined_submodule(root: nn.Module, is_block: Any) -> tuple[str, nn.Module]:

@@ -33,6 +33,8 @@ def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.de
     tensor parallelism each tensor-parallel part counts once (a second all-reduce, over the tensor-parallel group)."""
     shards = list(shards)
     dtype = _norm_dtype(shards)
+    if mesh.pipeline is not None:  # a weight tied across stages counts once, on its first stage
+        shards = [p for p in shards if id(p) not in mesh.pipeline.held_earlier]
     if not mesh.tensor_parallel_parts:
         total = _local_norm_term([p.grad for p in shards if p.grad is not None], norm_type, device, dtype)
         _reduce(total, mesh.shard_group, norm_type)

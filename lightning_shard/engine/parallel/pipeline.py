@@ -31,6 +31,15 @@ stage back-propagates each microbatch's slice of it, every stage sends its input
 the output without graphs, then in the backward re-runs each microbatch's forward in its one-forward-one-backward
 slot (random state restored, so dropout draws the same masks), holding at most ``P - s`` microbatches' graphs on
 stage ``s`` instead of ``M``: an extra forward in exchange for the loss seeing the whole output.
+
+[Note: weights tied across stages]
+A parameter registered under names of modules on different stages (a GPT's embedding, on the first stage, tied to
+its head, on the last) is kept by every stage holding one of those names: the ``SkippedModule`` standing in for the
+other stage's module holds it under its own names, so each stage's state dict and optimizer see the tied weight as
+the unsplit model does (one parameter, all its names). Each holding stage shards it alike over its data-parallel
+ranks; at set-up they take the first holder's values, and after each backward they sum what each stage added to its
+gradient (an all-reduce over the holders of one data-parallel coordinate), so every holder takes the same optimizer
+step and the copies stay equal. The gradient norm and a save count it on the first holder only.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
 if TYPE_CHECKING:
@@ -162,6 +172,17 @@ class SkippedModule(nn.Module):
         self.skipped = name
         self.is_block = is_block
 
+    def hold(self, path: str, parameter: nn.Parameter) -> None:
+        """Keep ``parameter`` at ``path`` (dotted, under this module) for a weight this stage shares with the
+        stage that runs the module: see [Note: weights tied across stages]."""
+        *containers, leaf = path.split(".")
+        owner: nn.Module = self
+        for name in containers:
+            if not hasattr(owner, name):
+                owner.add_module(name, nn.Module())
+            owner = getattr(owner, name)
+        owner.register_parameter(leaf, parameter)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.is_block and args:
             return args[0]
@@ -172,10 +193,28 @@ class SkippedModule(nn.Module):
         return f"{self.skipped!r} on another pipeline stage"
 
 
-def prune_to_stage(root: nn.Module, split: StageSplit, stage: int) -> tuple[nn.Module, nn.Module]:
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter registered under several names (``names``, the root's registration order) of modules that
+    different stages hold (``stages``, in order): see [Note: weights tied across stages]."""
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What ``prune_to_stage`` leaves: the stage's first and last block, and the weights it shares with others."""
+
+    first_block: nn.Module
+    last_block: nn.Module
+    ties: tuple[TiedParameter, ...]
+
+
+def prune_to_stage(root: nn.Module, split: StageSplit, stage: int) -> Stage:
     """Replace, in ``root``, every module holding parameters or buffers that stage ``stage`` does not run with a
-    ``SkippedModule``; return the stage's first and last block. Raises ``PipelineError`` for a parameter two stages
-    would share (tied weights), one held by ``root`` itself, or a buffer (not supported yet)."""
+    ``SkippedModule`` (which keeps the weights this stage shares with it: see [Note: weights tied across stages]).
+    Raises ``PipelineError`` for a parameter held by ``root`` itself, or a buffer (not supported yet)."""
     places: dict[str, int] = {}  # module name -> the stage that holds it
     parents: dict[str, tuple[nn.Module, str]] = {}
     seen_block = False
@@ -200,14 +239,20 @@ def prune_to_stage(root: nn.Module, split: StageSplit, stage: int) -> tuple[nn.M
             f"{type(root).__name__} holds {', '.join(loose)} directly, which no pipeline stage can own: put them in"
             " a submodule (an embedding before the blocks, a head after them)."
         )
-    _refuse_shared_parameters(root, places, split.stages)
+    _refuse_buffers(root, split.stages)
+    ties = _ties_across_stages(root, places)
+    kept = {name: p for tie, p in ties if stage in tie.stages for name in tie.names}
     for name, held_by in places.items():
         if held_by != stage:
             parent, attr = parents[name]
-            setattr(parent, attr, SkippedModule(name, is_block=name in split.blocks))
+            skipped = SkippedModule(name, is_block=name in split.blocks)
+            for alias, p in kept.items():
+                if alias.startswith(name + "."):
+                    skipped.hold(alias[len(name) + 1 :], p)
+            setattr(parent, attr, skipped)
     modules = dict(root.named_modules())
     stage_blocks = split.stage_blocks(stage)
-    return modules[stage_blocks[0]], modules[stage_blocks[-1]]
+    return Stage(modules[stage_blocks[0]], modules[stage_blocks[-1]], tuple(tie for tie, _ in ties))
 
 
 def _stage_of(split: StageSplit, block: str) -> int:
@@ -219,22 +264,24 @@ def _holds_state(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
 
 
-def _refuse_shared_parameters(root: nn.Module, places: dict[str, int], stages: int) -> None:
-    """A parameter registered under two names that two stages would hold (an embedding tied to the head), and
-    buffers, which the stages do not synchronise yet."""
+def _ties_across_stages(root: nn.Module, places: dict[str, int]) -> list[tuple[TiedParameter, nn.Parameter]]:
+    """Each parameter registered under names of modules on different stages (an embedding tied to the head)."""
     def place(name: str) -> int:
         return next(stage for module, stage in places.items() if name.startswith(module + "."))
 
-    names: dict[int, list[str]] = {}
+    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for aliases in names.values():
-        if len(aliases) > 1 and len({place(a) for a in aliases}) > 1:
-            raise PipelineError(
-                f"The parameter {' = '.join(aliases)} is shared by modules on different pipeline stages (tied"
-                " weights), which pipeline parallelism cannot split. Untie them (give the head its own weight), or"
-                " use pipeline_parallel_size=1."
-            )
+        names.setdefault(id(p), (p, []))[1].append(name)
+    ties = []
+    for p, aliases in names.values():
+        stages = sorted({place(a) for a in aliases})
+        if len(stages) > 1:
+            ties.append((TiedParameter(tuple(aliases), tuple(stages)), p))
+    return ties
+
+
+def _refuse_buffers(root: nn.Module, stages: int) -> None:
+    """Buffers, which the stages do not synchronise yet."""
     buffers = [n for n, _ in root.named_buffers()]
     if buffers:
         raise PipelineError(
@@ -255,6 +302,9 @@ class PipelineRanks:
     size: int
     stage: int
     global_ranks: list[int]
+    # ids of this stage's sharded parameters an earlier stage holds too (tied): counted there by the gradient norm
+    # and written there by a save (see [Note: weights tied across stages])
+    held_earlier: set[int] = field(default_factory=set)
 
     @classmethod
     def of(cls, device_mesh: DeviceMesh) -> PipelineRanks:
@@ -297,6 +347,8 @@ class Pipeline:
     device: torch.device
     first_block: nn.Module
     last_block: nn.Module
+    ties: tuple[TiedParameter, ...] = ()
+    _tied: list[tuple[ProcessGroup, nn.Parameter]] = field(default_factory=list)  # this stage's, once sharded
     _batches: list[_Microbatch] = field(default_factory=list)
     _current: _Microbatch | None = None
     _captured: Tensor | None = None
@@ -309,8 +361,9 @@ class Pipeline:
     def install(cls, module: nn.Module, split: StageSplit, ranks: PipelineRanks, schedule: PipelineSchedule,
                 microbatches: int, device: torch.device) -> Pipeline:  # fmt: skip
         """Prune ``module`` to this rank's stage and make each outermost call of it a run of the schedule."""
-        first, last = prune_to_stage(module, split, ranks.stage)
-        pipeline = cls(module, ranks, schedule, microbatches, device, first, last)
+        stage = prune_to_stage(module, split, ranks.stage)
+        first, last = stage.first_block, stage.last_block
+        pipeline = cls(module, ranks, schedule, microbatches, device, first, last, stage.ties)
         original = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -322,6 +375,43 @@ class Pipeline:
         first.register_forward_pre_hook(pipeline._take_received, with_kwargs=True)
         last.register_forward_hook(pipeline._capture)
         return pipeline
+
+    def bind_ties(self, sharded: dict[str, nn.Parameter]) -> None:
+        """Once the stage is sharded (``sharded``: each name of this stage's parameters -> the shard it trains):
+        give each weight tied across stages the first holding stage's values, and remember which shards to sum the
+        gradients of (see [Note: weights tied across stages]). Collective: every rank of the world calls it."""
+        world, stages = dist.get_world_size(), self.ranks.size
+        inner = self.ranks.global_ranks[0]  # this rank's place in its stage (stage s holds s * W / P ...)
+        for tie in self.ties:
+            group: ProcessGroup | None = None
+            if tie.stages == tuple(range(stages)):
+                group = self.ranks.group
+            else:  # every rank creates every group, in the same order
+                for other in range(world // stages):
+                    created = dist.new_group([s * (world // stages) + other for s in tie.stages])
+                    if other == inner and self.ranks.stage in tie.stages:
+                        group = created
+            if self.ranks.stage not in tie.stages:
+                continue
+            assert group is not None
+            shard = next(sharded[name] for name in tie.names if name in sharded)
+            with torch.no_grad():
+                dist.broadcast(shard.data, self.ranks.global_ranks[tie.stages[0]], group=group)
+            if self.ranks.stage != tie.stages[0]:
+                self.ranks.held_earlier.add(id(shard))
+            self._tied.append((group, shard))
+
+    def _sum_tied_gradients(self, before: list[Tensor | None]) -> None:
+        """Add to each tied shard's gradient what the other holding stages added to theirs in this backward
+        (``before``: the gradients when it began), so every holder steps with the whole model's gradient."""
+        for (group, shard), old in zip(self._tied, before):
+            grad = shard.grad if shard.grad is not None else torch.zeros_like(shard)
+            added = grad - old if old is not None else grad.clone()
+            dist.all_reduce(added, group=group)
+            if shard.grad is None:
+                shard.grad = added
+            else:  # in place: the engine may hold the gradient tensor
+                shard.grad.copy_(added if old is None else old + added)
 
     # Hooks: see [Note: the user's forward runs on every stage] #
 
@@ -410,6 +500,7 @@ class Pipeline:
         on every rank])."""
         assert whole.grad is not None
         grads = list(torch.tensor_split(whole.grad, self.microbatches)) if self.ranks.is_last else []
+        before = [None if shard.grad is None else shard.grad.clone() for _, shard in self._tied]
         with torch.enable_grad():
             if self.schedule is PipelineSchedule.GPIPE:
                 for i in range(len(self._batches)):
@@ -418,6 +509,8 @@ class Pipeline:
                 self._one_forward_one_backward(grads)
         self._wait_sends()
         self._batches = []
+        if self._tied:  # once the engine has reduced every gradient of this backward (its callback runs first)
+            Variable._execution_engine.queue_callback(lambda: self._sum_tied_gradients(before))
 
     def _one_forward_one_backward(self, grads: list[Tensor]) -> None:
         count, stage = len(self._batches), self.ranks.stage
