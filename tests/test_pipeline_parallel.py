@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_shard import ShardStrategy
+from lightning_shard.checkpoint.tools.consolidate import inspect
 from lightning_shard.common.setup import repeated_blocks
 from lightning_shard.engine.parallel.pipeline import PipelineError, StageSplit, prune_to_stage, split_microbatches
 from lightning_shard.engine.policies import ModuleClassWrapPolicy
@@ -28,11 +29,11 @@ STEPS = 10
 
 def fit(rank: int, world_size: int, engine: str, steps: int = STEPS, save: str | None = None,
         resume: str | None = None, samples: int = 48, trainer_kwargs: dict | None = None, tied: bool = False,
-        **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+        module_class: type[LitCausalLM] = LitCausalLM, **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """Train the causal LM (``tied``: its embedding is its head's weight) on 4 sequences per data-parallel rank;
     return this rank's losses, and the whole model's weights (every stage's, gathered)."""
     L.seed_everything(0)
-    module = LitCausalLM(tied=tied)
+    module = module_class(tied=tied)
     strategy = DDPStrategy() if engine == "ddp" else ShardStrategy(**({"auto_wrap_policy": {Block}} | strategy_kwargs))
     trainer = trainer_for(strategy, world_size, steps, **(trainer_kwargs or {}))
     trainer.fit(module, train_dataloaders=token_loader(batch=4, samples=samples), ckpt_path=resume)
@@ -61,19 +62,43 @@ def test_trainer_trains_as_ddp_on_the_global_batch(world_size: int, schedule: st
     assert_same_training(ours, [reference[rank % data] for rank in range(world_size)])
 
 
-def test_a_checkpoint_saved_without_pipeline_resumes_at_two_stages(tmp_path: Path) -> None:
-    """A save after 5 steps at P=1 resumes at P=2 (each stage reading its own parameters' rows and optimizer state)
-    and continues with the losses and weights of the uninterrupted run (one batch per epoch, so that the resumed fit
-    sees what the uninterrupted one saw)."""
-    path = str(tmp_path / "ckpt")
-    run_on_ranks(fit, 1, "shard", steps=5, save=path, samples=4)
-    ours = run_on_ranks(fit, 2, "shard", resume=path, samples=4, pipeline_parallel_size=2)
-    whole = run_on_ranks(fit, 1, "ddp", samples=4)[0]
+class LitCausalLMAdamW(LitCausalLM):
+    """Two parameter groups (no decay for norms and biases) and state with a scalar (AdamW's ``step``)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        named = list(self.named_parameters())
+        plain = [p for n, p in named if "norm" in n or n.endswith(".bias")]
+        decayed = [p for n, p in named if not ("norm" in n or n.endswith(".bias"))]
+        return torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
+                                 lr=3e-3, eps=1e-3)  # eps: rounding-level gradients take rounding-level steps
+
+
+RESUMES = [(1, 1, 2, 2), (2, 2, 1, 1), (4, 2, 2, 1)]
+
+
+@pytest.mark.parametrize(("saved_on", "saved_stages", "resumed_on", "resumed_stages"), RESUMES,
+                         ids=["P1->P2", "P2->P1", "P2D2->P1D2"])  # fmt: skip
+def test_a_checkpoint_resumes_at_another_pipeline_size(
+    tmp_path: Path, saved_on: int, saved_stages: int, resumed_on: int, resumed_stages: int
+) -> None:
+    """A save after 5 steps resumes at another pipeline size (each stage reading its own parameters' rows and
+    optimizer state; the tied embedding written once) and continues with the losses and weights of the uninterrupted
+    DDP run on the same data-parallel ranks (one batch per epoch, so that the resumed fit sees what the uninterrupted
+    one saw)."""
+    path, data = str(tmp_path / "ckpt"), saved_on // saved_stages
+    common = {"samples": 4 * data, "tied": True, "module_class": LitCausalLMAdamW}
+    run_on_ranks(fit, saved_on, "shard", steps=5, save=path, pipeline_parallel_size=saved_stages, **common)
+    summary = inspect(path)  # every stage's files verified, and the split recorded
+    assert not summary.problems and (summary.pipeline or {}).get("bounds") == ([0, 1, 2] if saved_stages > 1 else None)
+    assert "model/model.blocks.1.up.weight" in summary.tensors and "model/model.wte.weight" in summary.tensors
+    ours = run_on_ranks(fit, resumed_on, "shard", resume=path, pipeline_parallel_size=resumed_stages, **common)
+    whole = run_on_ranks(fit, data, "ddp", **common)
     for rank, result in enumerate(ours):
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(whole["losses"][5:]),
+        reference = whole[rank % data]
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"][5:]),
                                    msg=f"rank {rank}")  # fmt: skip
-        assert result["params"].keys() == whole["params"].keys()
-        for name, value in whole["params"].items():
+        assert result["params"].keys() == reference["params"].keys()
+        for name, value in reference["params"].items():
             torch.testing.assert_close(result["params"][name], value, msg=f"{name}, rank {rank}")
 
 

@@ -51,6 +51,7 @@ LEFT_OUT = "left_out"  # model key -> fingerprint of each model tensor a save le
 SPLIT_BY_ROWS = "rows"  # a tensor entry's "split": its rows are spread over "shard_files" by the writer's rule
 SPLIT_BY_PIECES = "pieces"  # a tensor entry's "split": its "pieces" are listed ([Note: tensor-parallel checkpoints])
 TENSOR_PARALLEL_SIZE = "tensor_parallel_size"  # the head's tensor-parallel size of the writers (absent: 1)
+PIPELINE = "pipeline"  # the writers' pipeline stages: {"size": P, "module": name, "blocks": [...], "bounds": [...]}
 INDEX_SEAL = "index_sha256"  # version 4: the SHA-256 of the rest of the index (see [Note: what a load verifies])
 SAVE_ID_KEY = "save_id"  # version 4: the save's id, which each data file's header records too
 HEADER_DIGEST = "header_sha256"  # version 4, in a data file's 'files' entry: the SHA-256 of its 8 bytes and header
@@ -240,8 +241,9 @@ def _tensors(path: Path | MemberURL, index: dict[str, Any], files: CheckpointFil
     tp = index.get(TENSOR_PARALLEL_SIZE, 1)
     if not is_count(tp) or tp < 1:
         raise _damaged(path, f"'{TENSOR_PARALLEL_SIZE}' must be a positive count, not {tp!r}")
-    if shard_size < 1 or mesh["replicas"] < 1 or mesh["replicas"] * shard_size * tp != index["world_size"]:
-        raise _damaged(path, f"its mesh {mesh} x {tp} does not cover its world size {index['world_size']}")
+    stages = pipeline_size(path, index)
+    if shard_size < 1 or mesh["replicas"] < 1 or mesh["replicas"] * shard_size * tp * stages != index["world_size"]:
+        raise _damaged(path, f"its mesh {mesh} x {tp} x {stages} does not cover its world size {index['world_size']}")
     shard_files = index.get("shard_files")
     if not (isinstance(shard_files, list) and all(name in index["files"] for name in shard_files)):
         raise _damaged(path, "'shard_files' must list files of its 'files' table")
@@ -272,6 +274,21 @@ def _tensors(path: Path | MemberURL, index: dict[str, Any], files: CheckpointFil
             raise CheckpointError(f"{path}: tensor {key!r} has a malformed entry.")
         tensors[key] = StoredTensor(key, shape, dtype, placement, files)
     return tensors
+
+
+def pipeline_size(path: Path | MemberURL, index: dict[str, Any]) -> int:
+    """The writers' pipeline-parallel size (1 without the ``pipeline`` entry), its entry checked."""
+    entry = index.get(PIPELINE)
+    if entry is None:
+        return 1
+    blocks, bounds = (entry.get("blocks"), entry.get("bounds")) if isinstance(entry, dict) else (None, None)
+    size = entry.get("size") if isinstance(entry, dict) else None
+    if not (is_count(size) and size > 1 and isinstance(entry.get("module"), str) and isinstance(blocks, list)
+            and all(isinstance(b, str) for b in blocks) and isinstance(bounds, list) and len(bounds) == size + 1
+            and all(is_count(b) for b in bounds) and bounds == sorted(bounds) and bounds[0] == 0
+            and bounds[-1] == len(blocks)):  # fmt: skip
+        raise _damaged(path, f"'{PIPELINE}' must record the stage count and each stage's blocks")
+    return int(size)
 
 
 def _version_1_tensors(

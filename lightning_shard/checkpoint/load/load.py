@@ -171,7 +171,10 @@ def other_stages_keys(module: nn.Module, keys: set[str]) -> set[str]:
     from lightning_shard.engine.parallel.pipeline import SkippedModule
 
     skipped = [name + "." for name, m in module.named_modules() if isinstance(m, SkippedModule)]
-    return {key for key in keys if any(key.startswith(prefix) for prefix in skipped)} if skipped else set()
+    if not skipped:
+        return set()
+    own = set(module.state_dict())  # a skipped module keeps the weights this stage shares with it (tied)
+    return {key for key in keys if key not in own and any(key.startswith(prefix) for prefix in skipped)}
 
 
 def check_model_keys(

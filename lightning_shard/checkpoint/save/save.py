@@ -52,6 +52,7 @@ from lightning_shard.checkpoint.io.agreement import agree, broadcast_str, gather
 from lightning_shard.checkpoint.io.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
 from lightning_shard.checkpoint.io.index import (
     LEFT_OUT,
+    PIPELINE,
     SAVE_ID_KEY,
     TENSOR_PARALLEL_SIZE,
     FileRecord,
@@ -59,7 +60,7 @@ from lightning_shard.checkpoint.io.index import (
     build_index,
     encode_index,
 )
-from lightning_shard.checkpoint.io.layout import shard_rows, splits_by_rows
+from lightning_shard.checkpoint.io.layout import shard_rows
 from lightning_shard.checkpoint.io.selection import (
     MODEL_SELECTION_KEY,
     ModelSelection,
@@ -73,8 +74,16 @@ from lightning_shard.checkpoint.save.commit import (
     refuse_foreign_objects,
     refuse_to_replace_other_data,
 )
+from lightning_shard.checkpoint.save.index_entries import (
+    merge_stage_fields,
+    saved_tensors,
+    split_by_rows,
+    stage_tensors_from_json,
+    stage_tensors_to_json,
+)
 from lightning_shard.checkpoint.save.tensor_parallel import tensor_parallel_piece
 from lightning_shard.checkpoint.save.whole import Held, Local, Rows, exchange_rows, shard_file_tensors
+from lightning_shard.engine.parallel.pipeline import StageSplit
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.policies import parse_choice
 from lightning_shard.engine.sharded_module import ShardedModule
@@ -117,11 +126,11 @@ def prepare_save(
 ) -> PreparedSave:
     """The part of a save every rank must do together on the default group: agree on the temporary directory (for a
     URL: the local staging directory and the save's id) and turn the trainer state into JSON. Collective."""
-    if engine.mesh.pipeline is not None:  # every rank, before any collective
+    if engine.mesh.pipeline is not None and layout is StateDictType.FULL:  # every rank, before any collective
         raise CheckpointError(
-            f"Saving a checkpoint under pipeline_parallel_size={engine.mesh.pipeline_parallel_size} is not supported"
-            " yet: each stage holds only its own parameters, which the index does not list yet. Save with"
-            " pipeline_parallel_size=1; a checkpoint saved so resumes under pipeline parallelism."
+            f"state_dict_type='full' under pipeline_parallel_size={engine.mesh.pipeline_parallel_size} is not"
+            " supported: no rank holds every stage. Save with state_dict_type='sharded' (it loads at any pipeline"
+            " size) and write one file with `lightning-shard consolidate`."
         )
     checkpoint = dict(checkpoint)
     checkpoint.pop("state_dict", None)
@@ -177,10 +186,12 @@ class PreparedSave:
             write_local = _then_upload(write_local, tmp, remote)
         try:
             written = agree(write_local, group)
-            records = gather_on_first_rank([dataclasses.asdict(r) for r in written], group)  # None but on rank 0
+            part = self.plan.stage_part(self.layout)  # what a pipeline stage adds to the index; None otherwise
+            sent = gather_on_first_rank({"files": [dataclasses.asdict(r) for r in written], "stage": part}, group)
             # Rank 0 finishes the directory; agree() so that a failure there is raised on every rank, not a hang.
-            agree(lambda: _finish(self, [FileRecord(**r) for rs in records for r in rs])
-                  if records is not None else None, group)
+            agree(lambda: _finish(self, [FileRecord(**r) for one in sent for r in one["files"]],
+                                  [one["stage"] for one in sent if one["stage"] is not None])
+                  if sent is not None else None, group)
         except BaseException:
             if rank == 0 or remote is not None:  # a staging directory is every rank's to remove
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -204,11 +215,12 @@ def _then_upload(
     return write_and_upload
 
 
-def _finish(save: PreparedSave, records: list[FileRecord]) -> None:
-    """Rank 0: the trainer state, then the index from every file's record, then the swap (see [Note: atomic ...])."""
+def _finish(save: PreparedSave, records: list[FileRecord], stages: list[dict[str, Any]]) -> None:
+    """Rank 0: the trainer state, then the index from every file's record (and every pipeline stage's part), then
+    the swap (see [Note: atomic ...])."""
     tmp = save.plan.tmp
     state_records = write_trainer_state(tmp, save.trainer_state, save.tensors, save.plan.file_prefix)
-    index = encode_index(save.plan.index(records + state_records, save.layout))
+    index = encode_index(save.plan.index(records + state_records, save.layout, stages))
     if isinstance(save.path, Path):
         commit(tmp, save.path, index)
     else:
@@ -286,27 +298,23 @@ class _Plan:
             self.params = [item for item in self.params if item[0] in keep]
             self.buffers = [item for item in self.buffers if item[0] in keep]
             self.ties = {alias: name for alias, name in self.ties.items() if name in keep}
+        pipeline = engine.mesh.pipeline
+        if pipeline is not None:  # a weight tied across stages is written by its first stage
+            self.params = [(k, p) for k, p in self.params if id(p.sharded) not in pipeline.held_earlier]
         kept_names = {f for _, p in self.params for f in p.fqns}
         self.optimizers = [_optimizer_plan(engine, opt, i, kept_names) for i, opt in enumerate(optimizers)]
         self.averaged = _averaged_plan(averaged, self.params, self.buffers)
         self.adapters = peft_adapters(module)  # see [Note: adapters recorded at save time]
+        self.pipeline_split: tuple[str, StageSplit] | None = getattr(module, "_pipeline_split", None)
 
     def write_local(self) -> list[FileRecord]:
         """Write what this rank holds into the temporary directory; return the records of the files it wrote."""
         raise NotImplementedError
 
-    def index(self, records: list[FileRecord], layout: StateDictType) -> dict[str, Any]:
-        """The index, from the records of every file written (rank 0)."""
+    def tensors_and_head(self, layout: StateDictType) -> tuple[list[SavedTensor], dict[str, Any]]:
+        """Every tensor this save stores of what this rank holds (its stage's under pipeline parallelism), and the
+        index fields that follow from the model and optimizers: ties, optimizers, left-out weights, adapters."""
         mesh = self.engine.mesh
-        head = index_head(layout, self.world_size, (mesh.replicas, mesh.shard_size),
-                          self.engine.sharding_strategy.value, self.ties, [meta for meta, _ in self.optimizers],
-                          self.save_id)
-        if mesh.tensor_parallel_size > 1:
-            head[TENSOR_PARALLEL_SIZE] = mesh.tensor_parallel_size
-        if self.left_out:
-            head[LEFT_OUT] = self.left_out
-        if self.adapters is not None:
-            head[ADAPTERS] = self.adapters
         params = [(fqn, tuple(p.full_shape), p.dtype) for fqn, p in self.params]
         optim = [(name, tuple(p.full_shape) if p is not None else None, value)
                  for _, tensors in self.optimizers for name, p, value in tensors]
@@ -316,6 +324,38 @@ class _Plan:
             shape = tuple(p.full_shape) if p is not None else tuple(t.shape)
             saved.append(SavedTensor(AVERAGE_PREFIX + fqn, shape, t.dtype, p is not None and split_by_rows(
                 shape, t.dtype, shards)))
+        head: dict[str, Any] = {"ties": self.ties, "optimizers": [meta for meta, _ in self.optimizers]}
+        if self.left_out:
+            head[LEFT_OUT] = self.left_out
+        if self.adapters is not None:
+            head[ADAPTERS] = self.adapters
+        return saved, head
+
+    def stage_part(self, layout: StateDictType) -> dict[str, Any] | None:
+        """Under pipeline parallelism, on the first rank of each stage: ``tensors_and_head`` as JSON, for rank 0's
+        index (see [Note: pipeline-parallel checkpoints]); ``None`` on every other rank."""
+        mesh = self.engine.mesh
+        if mesh.pipeline is None or mesh.pipeline.is_first or self.rank != mesh.stage_offset:
+            return None
+        saved, head = self.tensors_and_head(layout)
+        return {"tensors": stage_tensors_to_json(saved), "head": head}
+
+    def index(self, records: list[FileRecord], layout: StateDictType,
+              stages: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:  # fmt: skip
+        """The index, from the records of every file written and the later pipeline stages' parts (rank 0)."""
+        mesh = self.engine.mesh
+        saved, fields = self.tensors_and_head(layout)
+        for stage in stages:  # see [Note: pipeline-parallel checkpoints]
+            saved += stage_tensors_from_json(stage["tensors"])
+            fields = merge_stage_fields(fields, stage["head"])
+        head = index_head(layout, self.world_size, (mesh.replicas, mesh.shard_size),
+                          self.engine.sharding_strategy.value, fields["ties"], fields["optimizers"], self.save_id)
+        if mesh.tensor_parallel_size > 1:
+            head[TENSOR_PARALLEL_SIZE] = mesh.tensor_parallel_size
+        if self.pipeline_split is not None:
+            module, split = self.pipeline_split
+            head[PIPELINE] = {"size": split.stages, "module": module, **split.to_json()}
+        head.update({k: v for k, v in fields.items() if k in (LEFT_OUT, ADAPTERS)})
         return build_index(head, saved, records)
 
 
@@ -334,31 +374,6 @@ def _averaged_plan(
         out.append((fqn, p, tensor.detach()))
     out += [(k, None, averaged.tensors[k].detach()) for k, _ in buffers if k in averaged.tensors]
     return out
-
-
-def saved_tensors(
-    params: list[tuple[str, tuple[int, ...], torch.dtype]],
-    buffers: list[tuple[str, Tensor]],
-    optimizer_tensors: list[tuple[str, tuple[int, ...] | None, Tensor]],
-    shard_size: int | None,
-) -> list[SavedTensor]:
-    """Every tensor a checkpoint stores: parameters (name, global shape, dtype), buffers, and optimizer tensors (key,
-    the global shape of the parameter whose rows they are split like or ``None`` for scalar state, tensor). In a
-    sharded save by ``shard_size`` shards, parameters and the optimizer state shaped like them are split by rows over
-    the shards, but those stored whole (see [Note: small tensors stored whole]); ``None``: a full save."""
-    out = [SavedTensor(MODEL_PREFIX + fqn, shape, dtype, split_by_rows(shape, dtype, shard_size))
-           for fqn, shape, dtype in params]
-    out += [SavedTensor(MODEL_PREFIX + k, tuple(v.shape), v.dtype, False) for k, v in buffers]
-    for name, shape, value in optimizer_tensors:
-        out.append(SavedTensor(name, shape if shape is not None else tuple(value.shape), value.dtype,
-                               shape is not None and split_by_rows(shape, value.dtype, shard_size)))
-    return out
-
-
-def split_by_rows(shape: tuple[int, ...], dtype: torch.dtype, shard_size: int | None) -> bool:
-    """Whether a tensor the shards hold by rows is split by rows in a save by ``shard_size`` shards (``None``: a full
-    save, which splits nothing)."""
-    return shard_size is not None and splits_by_rows(shape, dtype, shard_size)
 
 
 def index_head(
@@ -455,8 +470,8 @@ class _ShardedWriter(_Plan):
         mesh = self.engine.mesh
         if mesh.replicate_rank != 0:
             return []  # replicas hold identical shards: replica 0 writes them
-        if mesh.tensor_parallel_size > 1:
-            return self._tensor_parallel_tensors()
+        if mesh.tensor_parallel_size > 1 or mesh.pipeline is not None:
+            return self._listed_tensors()
         for fqn, p in self.params:  # the index records the rule, not the rows: they must agree
             rows = (p.first_row, p.first_row + p.local_rows)
             if p.local_rows and (p.shard_size != mesh.shard_size or rows != shard_rows(p.rows, mesh.shard_size,
@@ -474,10 +489,11 @@ class _ShardedWriter(_Plan):
 
         return shard_file_tensors(held, mesh.shard_rank, mesh.shard_size, gather)
 
-    def _tensor_parallel_tensors(self) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
-        """``local_tensors`` under tensor parallelism: every rank's pieces, rows of the whole tensors listed in the
-        index (see [Note: tensor-parallel checkpoints])."""
+    def _listed_tensors(self) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
+        """``local_tensors`` under tensor or pipeline parallelism: every rank's pieces, rows of the whole tensors
+        listed in the index (see [Note: tensor-parallel checkpoints], [Note: pipeline-parallel checkpoints])."""
         mesh = self.engine.mesh
+        writes_whole = self.rank == mesh.stage_offset  # the first rank of its stage (the world's without pipeline)
         out: list[tuple[str, Tensor, tuple[int, int] | None]] = []
         items: list[tuple[str, ShardedParam | None, Tensor]] = [
             (MODEL_PREFIX + fqn, p, p.sharded.detach()) for fqn, p in self.params
@@ -485,14 +501,14 @@ class _ShardedWriter(_Plan):
         items += [(name, p, value) for _, tensors in self.optimizers for name, p, value in tensors]
         items += [(AVERAGE_PREFIX + fqn, p, value) for fqn, p, value in self.averaged]
         for key, p, value in items:
-            if p is None:  # a buffer, or scalar optimizer state: whole, by rank 0
-                if self.rank == 0:
+            if p is None:  # a buffer, or scalar optimizer state: whole, by the stage's first rank
+                if writes_whole:
                     out.append((key, value, None))
                 continue
             piece = tensor_parallel_piece(p, value, mesh.tensor_parallel_size, mesh.tensor_parallel_rank)
             if piece is not None:
                 out.append((key, *piece))
-        if self.rank == 0:
+        if writes_whole:
             out.extend((MODEL_PREFIX + k, v, None) for k, v in self.buffers)
         return out
 
@@ -506,7 +522,7 @@ class _ShardedWriter(_Plan):
             return []
         self.tmp.mkdir(parents=True, exist_ok=True)
         path = self.tmp / (self.file_prefix + shard_file_name(self.rank, self.world_size))
-        if self.engine.mesh.tensor_parallel_size > 1:  # pieces listed in the index, no shard rule
+        if self.engine.mesh.tensor_parallel_size > 1 or self.engine.mesh.pipeline is not None:  # pieces listed
             return write_shard_file(path, None, local, self.save_id, listed=True)
         return write_shard_file(path, self.engine.mesh.shard_rank, local, self.save_id)
 

@@ -22,6 +22,7 @@ from lightning_shard.checkpoint.format import (
 from lightning_shard.checkpoint.format.adapters import ADAPTERS
 from lightning_shard.checkpoint.io.index import (
     LEFT_OUT,
+    PIPELINE,
     TENSOR_PARALLEL_SIZE,
     checkpoint_files,
     iter_index_tensors,
@@ -100,6 +101,7 @@ class CheckpointSummary:
     left_out: list[str] = field(default_factory=list)  # model keys a partial save left out
     adapters: list[str] = field(default_factory=list)  # the peft adapters it records
     tensor_parallel_size: int = 1  # the writers' tensor-parallel size
+    pipeline: dict[str, Any] | None = None  # the writers' pipeline stages (size, module, blocks, bounds), if any
 
     def __str__(self) -> str:
         ranks = f"{self.world_size} rank" + ("s" if self.world_size != 1 else "")
@@ -107,6 +109,7 @@ class CheckpointSummary:
             f"checkpoint {self.directory} ({self.state_dict_type}), written by {ranks},"
             f" mesh {self.mesh['replicas']}x{self.mesh['shard_size']}"
             + (f" x tensor-parallel {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else "")
+            + (f" x {self.pipeline['size']} pipeline stages" if self.pipeline else "")
             + f"; epoch {self.epoch}, step {self.global_step}",
             f"{len(self.tensors)} tensors, {self.total_bytes / 2**20:.2f} MiB on disk",
         ]
@@ -150,6 +153,7 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
         problems=list(dict.fromkeys(problems)),  # a file's damage once, not once per piece it holds
         left_out=sorted(index.get(LEFT_OUT, {})),
         tensor_parallel_size=index.get(TENSOR_PARALLEL_SIZE, 1),
+        pipeline=index.get(PIPELINE),
         adapters=sorted(index.get(ADAPTERS, {}).get("adapters", {})),
     )
 
