@@ -3,9 +3,11 @@
 
     python tests/scripts/pipeline_parallel_fit.py --role reference --devices 1 --root /tmp/pp   # DDP, the oracle
     python tests/scripts/pipeline_parallel_fit.py --role pipeline --devices 2 --root /tmp/pp    # two stages
+    python tests/scripts/pipeline_parallel_fit.py --role resume --devices 1 --root /tmp/pp      # their save, P=1
 
-Trains the test suite's causal language model with ``ShardStrategy(pipeline_parallel_size=2)`` (1F1B, 2
-microbatches) for 10 steps in fp32 under the Trainer, then 3 steps under Fabric (GPipe), where each rank also trains
+Trains the test suite's causal language model (its embedding tied to its head) with
+``ShardStrategy(pipeline_parallel_size=2)`` (1F1B, 2 microbatches, the stages split at its repeated blocks) for 10
+steps in fp32 under the Trainer (clipped by the global norm) and saves it, then 3 steps under Fabric (GPipe), where each rank also trains
 the unsplit model in plain PyTorch on the same batches. Every rank writes ``<root>/<role>-<rank>.pt``: the losses
 and the trained weights (the pipelined weights gathered from both stages).
 """
@@ -53,18 +55,26 @@ def oracle(steps: int) -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def trainer_fit(role: str, devices: int) -> dict[str, Any]:
+def trainer_fit(role: str, devices: int, root: Path) -> dict[str, Any]:
+    """The tied-embedding model, split at its repeated blocks (no auto_wrap_policy), saved at the end; the role
+    ``resume`` loads that save without pipeline parallelism."""
     L.seed_everything(0, verbose=False)
-    module = LitCausalLM()
+    module = LitCausalLM(tied=True)
     if role == "reference":
         strategy: Any = DDPStrategy()
     else:
-        strategy = lightning_shard.ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, microbatches=2)
+        strategy = lightning_shard.ShardStrategy(pipeline_parallel_size=2 if role == "pipeline" else 1,
+                                                 microbatches=2)  # fmt: skip
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=10, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    trainer.fit(module, train_dataloaders=token_loader(batch=4))
+                        gradient_clip_val=0.5, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, train_dataloaders=token_loader(batch=4),
+                ckpt_path=str(root / "pipeline.ckpt") if role == "resume" else None)  # fmt: skip
     if role == "reference":
-        return {"losses": module.losses, "params": {n: p.detach().clone() for n, p in module.model.named_parameters()}}
+        named = module.model.named_parameters(remove_duplicate=False)
+        return {"losses": module.losses, "params": {n: p.detach().clone() for n, p in named}}
+    if role == "pipeline":
+        trainer.save_checkpoint(root / "pipeline.ckpt")
     return {"losses": module.losses, "params": whole_model_weights(module, prefix="model.")}
 
 
@@ -87,13 +97,13 @@ def fabric_fit(devices: int) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--role", choices=["reference", "pipeline"], required=True)
+    parser.add_argument("--role", choices=["reference", "pipeline", "resume"], required=True)
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--root", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     created = not dist.is_initialized()
-    result = {"trainer": trainer_fit(args.role, args.devices), "created": created}
+    result = {"trainer": trainer_fit(args.role, args.devices, args.root), "created": created}
     if args.role == "pipeline":
         result["fabric"], result["oracle"] = fabric_fit(args.devices), oracle(3)
     args.root.mkdir(parents=True, exist_ok=True)
