@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
 
 from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint.tools.consolidate import inspect
@@ -29,24 +30,30 @@ STEPS = 10
 
 def fit(rank: int, world_size: int, engine: str, steps: int = STEPS, save: str | None = None,
         resume: str | None = None, samples: int = 48, trainer_kwargs: dict | None = None, tied: bool = False,
-        module_class: type[LitCausalLM] = LitCausalLM, **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+        module_class: type[LitCausalLM] = LitCausalLM, keep_module: bool = False,
+        **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """Train the causal LM (``tied``: its embedding is its head's weight) on 4 sequences per data-parallel rank;
     return this rank's losses, and the whole model's weights (every stage's, gathered)."""
     L.seed_everything(0)
     module = module_class(tied=tied)
     strategy = DDPStrategy() if engine == "ddp" else ShardStrategy(**({"auto_wrap_policy": {Block}} | strategy_kwargs))
     trainer = trainer_for(strategy, world_size, steps, **(trainer_kwargs or {}))
-    trainer.fit(module, train_dataloaders=token_loader(batch=4, samples=samples), ckpt_path=resume)
+    validates = type(module).validation_step is not L.LightningModule.validation_step
+    validation = token_loader(batch=4, samples=8) if validates else None
+    trainer.fit(module, train_dataloaders=token_loader(batch=4, samples=samples), val_dataloaders=validation,
+                ckpt_path=resume)  # fmt: skip
     if save is not None:
         trainer.save_checkpoint(save)
+    kept = {"module": module, "trainer": trainer} if keep_module else {}
     if engine == "ddp":
         named = module.named_parameters(remove_duplicate=False)  # a tied weight under each name, as full_params
-        return {"losses": module.losses, "params": {n: p.detach().clone() for n, p in named}}
+        return {"losses": module.losses, "params": {n: p.detach().clone() for n, p in named}, **kept}
     stage = full_params(strategy.engine)
     everything: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(everything, stage)
     params = {name: value for part in everything for name, value in part.items()}
-    return {"losses": module.losses, "params": params, "stage": stage, "mesh": strategy.device_mesh.mesh_dim_names}
+    return {"losses": module.losses, "params": params, "stage": stage, "mesh": strategy.device_mesh.mesh_dim_names,
+            **kept}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1F1B"])
@@ -71,6 +78,61 @@ class LitCausalLMAdamW(LitCausalLM):
         decayed = [p for n, p in named if not ("norm" in n or n.endswith(".bias"))]
         return torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
                                  lr=3e-3, eps=1e-3)  # eps: rounding-level gradients take rounding-level steps
+
+
+class LitCausalLMLoops(LitCausalLM):
+    """Validation and prediction steps, and SGD with a step LR schedule, recording what each computes."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__(tied=tied)
+        self.val_losses: list[float] = []
+        self.lrs: list[float] = []
+
+    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        x, y, position_ids = batch
+        loss = lm_loss(self.model, x, y, position_ids)
+        self.log("val_loss", loss)
+        self.val_losses.append(loss.item())
+
+    def predict_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, _, position_ids = batch
+        return self.model(x, position_ids).argmax(-1)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def loops(rank: int, world_size: int, engine: str, **strategy_kwargs: Any) -> dict[str, Any]:
+    """Fit with gradient accumulation over 2 batches, an LR schedule stepped each step and validation every 4
+    batches (after the sanity check's 2), then predict; what each loop computed on this rank."""
+    kwargs = {"accumulate_grad_batches": 2, "val_check_interval": 4, "limit_val_batches": 2}
+    result = fit(rank, world_size, engine, steps=6, module_class=LitCausalLMLoops, trainer_kwargs=kwargs,
+                 keep_module=True, **strategy_kwargs)  # fmt: skip
+    module, trainer = result.pop("module"), result.pop("trainer")
+    predictions = trainer.predict(module, token_loader(batch=4, samples=8))
+    return {**result, "val_losses": module.val_losses, "lrs": module.lrs, "predictions": torch.cat(predictions)}
+
+
+def test_accumulation_schedules_validation_and_prediction_run_as_under_ddp() -> None:
+    """``accumulate_grad_batches``, an LR scheduler, the validation loop and ``trainer.predict`` under two stages:
+    each loop's values (the validation loss of the whole model, the learning rates, the predicted tokens) and the
+    trained weights are DDP's."""
+    ours = run_on_ranks(loops, 2, "shard", pipeline_parallel_size=2, microbatches=2)
+    reference = run_on_ranks(loops, 1, "ddp")[0]
+    assert reference["lrs"] == [0.5] * 4 + [0.25] * 4 + [0.125] * 4 and len(reference["val_losses"]) == 2 + 3 * 2
+    for rank, result in enumerate(ours):
+        assert result["lrs"] == reference["lrs"]
+        for what in ("losses", "val_losses"):
+            torch.testing.assert_close(torch.tensor(result[what]), torch.tensor(reference[what]),
+                                       msg=f"{what}, rank {rank}")  # fmt: skip
+        assert torch.equal(result["predictions"], reference["predictions"])
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(result["params"][name], value, msg=f"{name}, rank {rank}")
 
 
 RESUMES = [(1, 1, 2, 2), (2, 2, 1, 1), (4, 2, 2, 1)]

@@ -7,9 +7,9 @@
 
 Trains the test suite's causal language model (its embedding tied to its head) with
 ``ShardStrategy(pipeline_parallel_size=2)`` (1F1B, 2 microbatches, the stages split at its repeated blocks) for 10
-steps in fp32 under the Trainer (clipped by the global norm) and saves it, then 3 steps under Fabric (GPipe), where each rank also trains
-the unsplit model in plain PyTorch on the same batches. Every rank writes ``<root>/<role>-<rank>.pt``: the losses
-and the trained weights (the pipelined weights gathered from both stages).
+steps in fp32 under the Trainer (clipped by the global norm) and saves it, then 3 steps under Fabric (GPipe),
+where each rank also trains the unsplit model in plain PyTorch on the same batches. Every rank writes
+``<root>/<role>-<rank>.pt``: the losses and the trained weights (the pipelined weights gathered from both stages).
 """
 
 import argparse
