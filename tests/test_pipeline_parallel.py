@@ -17,6 +17,7 @@ from torch import Tensor
 from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint.tools.consolidate import inspect
 from lightning_shard.common.setup import repeated_blocks
+from lightning_shard.engine import summon_full_params
 from lightning_shard.engine.parallel.pipeline import PipelineError, StageSplit, prune_to_stage, split_microbatches
 from lightning_shard.engine.policies import ModuleClassWrapPolicy
 from lightning_shard.engine.sharded_module import sharded_module_of
@@ -28,6 +29,15 @@ from tests.test_parity import assert_same_training
 STEPS = 10
 
 
+def _whole_parts(module: L.LightningModule) -> dict[str, Tensor]:
+    """This stage's parameters in full, tensor-parallel parts joined, under every name (as ``full_params``)."""
+    from torch.distributed.tensor import DTensor
+
+    with summon_full_params(module):
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in module.named_parameters(remove_duplicate=False)}  # fmt: skip
+
+
 def fit(rank: int, world_size: int, engine: str, steps: int = STEPS, save: str | None = None,
         resume: str | None = None, samples: int = 48, trainer_kwargs: dict | None = None, tied: bool = False,
         module_class: type[LitCausalLM] = LitCausalLM, keep_module: bool = False,
@@ -36,6 +46,7 @@ def fit(rank: int, world_size: int, engine: str, steps: int = STEPS, save: str |
     return this rank's losses, and the whole model's weights (every stage's, gathered)."""
     L.seed_everything(0)
     module = module_class(tied=tied)
+    module.tensor_parallel = strategy_kwargs.get("tensor_parallel_size", 1) > 1
     strategy = DDPStrategy() if engine == "ddp" else ShardStrategy(**({"auto_wrap_policy": {Block}} | strategy_kwargs))
     trainer = trainer_for(strategy, world_size, steps, **(trainer_kwargs or {}))
     validates = type(module).validation_step is not L.LightningModule.validation_step
@@ -48,7 +59,7 @@ def fit(rank: int, world_size: int, engine: str, steps: int = STEPS, save: str |
     if engine == "ddp":
         named = module.named_parameters(remove_duplicate=False)  # a tied weight under each name, as full_params
         return {"losses": module.losses, "params": {n: p.detach().clone() for n, p in named}, **kept}
-    stage = full_params(strategy.engine)
+    stage = _whole_parts(module) if module.tensor_parallel else full_params(strategy.engine)
     everything: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(everything, stage)
     params = {name: value for part in everything for name, value in part.items()}
@@ -135,26 +146,26 @@ def test_accumulation_schedules_validation_and_prediction_run_as_under_ddp() -> 
             torch.testing.assert_close(result["params"][name], value, msg=f"{name}, rank {rank}")
 
 
-RESUMES = [(1, 1, 2, 2), (2, 2, 1, 1), (4, 2, 2, 1)]
+RESUMES = [(1, 1, 2, 2, 1), (2, 2, 1, 1, 1), (4, 2, 2, 1, 1), (4, 2, 2, 1, 2)]
 
 
-@pytest.mark.parametrize(("saved_on", "saved_stages", "resumed_on", "resumed_stages"), RESUMES,
-                         ids=["P1->P2", "P2->P1", "P2D2->P1D2"])  # fmt: skip
+@pytest.mark.parametrize(("saved_on", "saved_stages", "resumed_on", "resumed_stages", "tensor"), RESUMES,
+                         ids=["P1->P2", "P2->P1", "P2D2->P1D2", "P2T2->T2"])  # fmt: skip
 def test_a_checkpoint_resumes_at_another_pipeline_size(
-    tmp_path: Path, saved_on: int, saved_stages: int, resumed_on: int, resumed_stages: int
+    tmp_path: Path, saved_on: int, saved_stages: int, resumed_on: int, resumed_stages: int, tensor: int
 ) -> None:
     """A save after 5 steps resumes at another pipeline size (each stage reading its own parameters' rows and
     optimizer state; the tied embedding written once) and continues with the losses and weights of the uninterrupted
     DDP run on the same data-parallel ranks (one batch per epoch, so that the resumed fit sees what the uninterrupted
     one saw)."""
-    path, data = str(tmp_path / "ckpt"), saved_on // saved_stages
-    common = {"samples": 4 * data, "tied": True, "module_class": LitCausalLMAdamW}
+    path, data = str(tmp_path / "ckpt"), saved_on // (saved_stages * tensor)
+    common = {"samples": 4 * data, "tied": True, "module_class": LitCausalLMAdamW, "tensor_parallel_size": tensor}
     run_on_ranks(fit, saved_on, "shard", steps=5, save=path, pipeline_parallel_size=saved_stages, **common)
     summary = inspect(path)  # every stage's files verified, and the split recorded
     assert not summary.problems and (summary.pipeline or {}).get("bounds") == ([0, 1, 2] if saved_stages > 1 else None)
     assert "model/model.blocks.1.up.weight" in summary.tensors and "model/model.wte.weight" in summary.tensors
     ours = run_on_ranks(fit, resumed_on, "shard", resume=path, pipeline_parallel_size=resumed_stages, **common)
-    whole = run_on_ranks(fit, data, "ddp", **common)
+    whole = run_on_ranks(fit, data, "ddp", **(common | {"tensor_parallel_size": 1}))
     for rank, result in enumerate(ours):
         reference = whole[rank % data]
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"][5:]),
@@ -230,6 +241,26 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused() -> None:
     assert [a[0].shape[0] for a, _ in split_microbatches((x,), {}, 3)] == [2, 2, 2]
 
 
+def test_two_stages_of_two_context_parallel_ranks_train_as_ddp() -> None:
+    """P=2 x C=2 on 4 ranks, both schedules: each stage's ranks split the sequences, the pipeline carries each rank's
+    part, and 1F1B's repeated forwards attend over the whole sequence as the first did."""
+    reference = run_on_ranks(fit, 1, "ddp")
+    for schedule in ("gpipe", "1F1B"):
+        ours = run_on_ranks(fit, 4, "shard", pipeline_parallel_size=2, context_parallel_size=2, microbatches=2,
+                            pipeline_schedule=schedule)  # fmt: skip
+        assert_same_training(ours, reference * 4)
+
+
+def test_two_stages_of_two_tensor_parallel_ranks_train_as_ddp() -> None:
+    """P=2 x T=2 on 4 ranks, each stage's blocks split by the tensor-parallel plan, clipped by the norm over both
+    stages and both tensor-parallel parts: DDP's losses and weights on one rank."""
+    clip = {"gradient_clip_val": 0.5}
+    ours = run_on_ranks(fit, 4, "shard", trainer_kwargs=clip, pipeline_parallel_size=2, tensor_parallel_size=2,
+                        microbatches=2)  # fmt: skip
+    reference = run_on_ranks(fit, 1, "ddp", trainer_kwargs=clip)
+    assert_same_training(ours, reference * 4)
+
+
 @pytest.mark.parametrize("world_size", [2, 4], ids=["pipeline2", "pipeline2-data2"])
 def test_an_embedding_tied_to_the_head_trains_as_ddp_with_clipping(world_size: int) -> None:
     """The embedding on the first stage and the head on the last share one weight: both stages keep it, sum its
@@ -278,7 +309,7 @@ def test_bad_pipeline_arguments_are_refused_when_the_strategy_is_built() -> None
         ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, pipeline_schedule="zigzag")
     with pytest.raises(ValueError, match=r"splits the model into stages of whole blocks"):
         ShardStrategy(pipeline_parallel_size=2, auto_wrap_policy=True)
-    with pytest.raises(ValueError, match=r"with tensor_parallel_size=2 is not supported yet"):
-        ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"with sharding_strategy='HYBRID_SHARD' is not supported yet"):
+        ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, sharding_strategy="HYBRID_SHARD")
     with pytest.raises(ValueError, match=r"microbatches must be a positive int"):
         ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, microbatches=0)

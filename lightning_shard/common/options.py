@@ -140,7 +140,6 @@ class ShardOptions:
             )
         pipeline = _pipeline_options(
             pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points, auto_wrap_policy,
-            tensor_parallel_size=tensor_parallel_size, context_parallel_size=context_parallel_size,
             sharding_strategy=strategy,
         )  # fmt: skip
         return cls(
@@ -171,7 +170,7 @@ class ShardOptions:
 
 def _pipeline_options(
     size: object, schedule: object, microbatches: object, split_points: object, auto_wrap_policy: object, *,
-    tensor_parallel_size: object, context_parallel_size: int, sharding_strategy: ShardingStrategy,
+    sharding_strategy: ShardingStrategy,
 ) -> dict[str, Any]:  # fmt: skip
     """The pipeline arguments, checked: the stages are whole blocks by ``auto_wrap_policy`` (classes or names; none:
     the model's repeated blocks, found at set-up), and what pipeline parallelism does not compose with yet is
@@ -184,14 +183,11 @@ def _pipeline_options(
     ):
         raise TypeError(f"pipeline_split_points must be a list of block names, got {split_points!r}.")
     if size > 1:
-        others = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size}
-        combined = [f"{name}={value}" for name, value in others.items() if value != 1]
-        if combined or sharding_strategy is ShardingStrategy.HYBRID_SHARD:
-            what = ", ".join(combined) or "sharding_strategy='HYBRID_SHARD'"
+        if sharding_strategy is ShardingStrategy.HYBRID_SHARD:
             raise ValueError(
-                f"pipeline_parallel_size={size} with {what} is not supported yet: pipeline stages shard over the"
-                " data-parallel ranks (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD). See the composition table in"
-                " docs/pipeline_parallel.md."
+                f"pipeline_parallel_size={size} with sharding_strategy='HYBRID_SHARD' is not supported yet: pipeline"
+                " stages shard over their data-parallel ranks (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD). See the"
+                " composition table in docs/pipeline_parallel.md."
             )
         if isinstance(auto_wrap_policy, (int, bool)):
             raise ValueError(

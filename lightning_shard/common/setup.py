@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ def setup_sharded_module(
         apply_activation_checkpointing(module, options.checkpointing_policy)
     if mesh.context_parallel is not None:  # every call of the module is a step on a split batch
         mesh.context_parallel.attach(module)
+        if stage is not None:  # and so is each forward 1F1B repeats in the backward
+            stage.pipeline.recompute_under = functools.partial(mesh.context_parallel.step, module)
     _move_param_free_modules(module, device)
     return engine
 

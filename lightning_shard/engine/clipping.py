@@ -49,6 +49,8 @@ def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.de
         split = terms[0].clone()
         _reduce(split, mesh.tensor_parallel_group, norm_type)
         total = torch.maximum(split, terms[1]) if math.isinf(norm_type) else split + terms[1]
+        if mesh.pipeline is not None:  # the other stages' parameters
+            _reduce(total, mesh.pipeline.group, norm_type)
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 

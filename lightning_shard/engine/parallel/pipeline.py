@@ -45,7 +45,9 @@ step and the copies stay equal. The gradient norm and a save count it on the fir
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -354,8 +356,13 @@ class Pipeline:
     _captured: Tensor | None = None
     _inside: bool = False
     _sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
-    timings: list[tuple[str, int, float]] = field(default_factory=list)  # (phase, microbatch, seconds)
-    record_timings: bool = False
+    # Seconds this stage spent in its microbatches' forwards and backwards (not waiting for its neighbours), and
+    # in the schedule's forward and backward altogether; host time (on a GPU, without synchronisation: what was
+    # queued). The caller resets them (see ``measured_bubble``).
+    busy_seconds: float = 0.0
+    schedule_seconds: float = 0.0
+    # What 1F1B's repeated forwards run under, as the first ran under the caller's step (context parallelism's)
+    recompute_under: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     @classmethod
     def install(cls, module: nn.Module, split: StageSplit, ranks: PipelineRanks, schedule: PipelineSchedule,
@@ -428,6 +435,13 @@ class Pipeline:
 
     def run(self, args: tuple, kwargs: dict) -> Tensor:
         """The whole output of the model on ``args``/``kwargs``, on every rank of the pipeline group."""
+        start = time.perf_counter()
+        try:
+            return self._run(args, kwargs)
+        finally:
+            self.schedule_seconds += time.perf_counter() - start
+
+    def _run(self, args: tuple, kwargs: dict) -> Tensor:
         self._wait_sends()
         self._batches = [_Microbatch(a, k) for a, k in split_microbatches(args, kwargs, self.microbatches)]
         grad = torch.is_grad_enabled()
@@ -455,10 +469,12 @@ class Pipeline:
             if graph:
                 batch.received.requires_grad_(True)
         self._current, self._captured, self._inside = batch, None, True
+        start = time.perf_counter()
         try:
             out = self.module(*batch.args, **batch.kwargs)
         finally:
             self._current, self._inside = None, False
+            self.busy_seconds += time.perf_counter() - start
         if not ranks.is_last:
             out = self._captured
             if not isinstance(out, Tensor):
@@ -499,6 +515,7 @@ class Pipeline:
         """Runs when the backward reaches the whole output: the schedule's backward (see [Note: the whole output
         on every rank])."""
         assert whole.grad is not None
+        start = time.perf_counter()
         grads = list(torch.tensor_split(whole.grad, self.microbatches)) if self.ranks.is_last else []
         before = [None if shard.grad is None else shard.grad.clone() for _, shard in self._tied]
         with torch.enable_grad():
@@ -509,6 +526,7 @@ class Pipeline:
                 self._one_forward_one_backward(grads)
         self._wait_sends()
         self._batches = []
+        self.schedule_seconds += time.perf_counter() - start
         if self._tied:  # once the engine has reduced every gradient of this backward (its callback runs first)
             Variable._execution_engine.queue_callback(lambda: self._sum_tied_gradients(before))
 
@@ -534,7 +552,8 @@ class Pipeline:
         state = torch.get_rng_state()
         torch.set_rng_state(batch.rng)
         try:
-            self._forward_one(index, batch, graph=True)
+            with self.recompute_under():
+                self._forward_one(index, batch, graph=True)
         finally:
             torch.set_rng_state(state)
 
@@ -542,7 +561,9 @@ class Pipeline:
         batch, ranks = self._batches[index], self.ranks
         grad = grads[index] if ranks.is_last else self._recv(ranks.global_ranks[ranks.stage + 1])
         assert batch.output is not None
+        start = time.perf_counter()
         torch.autograd.backward(batch.output, grad)
+        self.busy_seconds += time.perf_counter() - start
         batch.output = None
         if not ranks.is_first:
             assert batch.received is not None
@@ -619,6 +640,7 @@ def split_microbatches(args: tuple, kwargs: dict, microbatches: int) -> Iterator
         yield tree_unflatten(cut, spec)
 
 
-def measured_bubble(busy_seconds: float, step_seconds: float) -> float:
-    """The share of a step a stage spent outside its own forwards and backwards."""
-    return max(0.0, 1.0 - busy_seconds / step_seconds) if step_seconds > 0 and math.isfinite(busy_seconds) else 0.0
+def measured_bubble(busy_seconds: float, seconds: float) -> float:
+    """The share of ``seconds`` (a step, or the schedule's part of it) a stage spent outside its own microbatches'
+    forwards and backwards."""
+    return max(0.0, 1.0 - busy_seconds / seconds) if seconds > 0 and math.isfinite(busy_seconds) else 0.0
