@@ -3,12 +3,15 @@ as users run it: two stages on two ranks train as the unsplit model, under the T
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.jobs import launch_role
+from tests.jobs import job_env, launch_role
 
 pytestmark = pytest.mark.launch
 
@@ -39,3 +42,15 @@ def test_two_stages_train_as_the_unsplit_model_and_their_save_resumes_without_pi
     assert resumed["trainer"]["losses"] == []  # the save's step is max_steps: nothing left to train
     for name, value in reference["trainer"]["params"].items():
         torch.testing.assert_close(resumed["trainer"]["params"][name], value, msg=f"resumed {name}")
+
+
+def test_the_guides_trainer_script_runs_as_written(tmp_path: Path) -> None:
+    """docs/pipeline_parallel.md's first block, saved as a script and run with ``python``: 2 stages x 2 data-parallel
+    ranks, the tied model, 10 steps."""
+    guide = (Path(__file__).parents[1] / "docs" / "pipeline_parallel.md").read_text()
+    script = tmp_path / "train_lm.py"
+    script.write_text(re.search(r"^```python\n(.*?)^```", guide, re.S | re.M).group(1))  # type: ignore[union-attr]
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=job_env(), capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "`max_steps=10` reached" in result.stdout + result.stderr
