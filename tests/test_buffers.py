@@ -376,9 +376,9 @@ def count_broadcasts(rank: int, world_size: int) -> dict[str, Any]:
     calls: list[int] = []
     real = collectives.broadcast_from_rank0
 
-    def counted(t: Tensor) -> None:
+    def counted(t: Tensor, group: Any = None) -> None:
         calls.append(t.numel() * t.element_size())
-        real(t)
+        real(t, group)
 
     sequence = ["grad", "grad", "no_grad", "no_grad", "grad", "grad"]
     per_forward = []

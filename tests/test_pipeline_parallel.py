@@ -22,7 +22,15 @@ from lightning_shard.engine.parallel.pipeline import PipelineError, StageSplit, 
 from lightning_shard.engine.policies import ModuleClassWrapPolicy
 from lightning_shard.engine.sharded_module import sharded_module_of
 from lightning_shard.testing import run_on_ranks
-from tests.context_parallel_models import Block, CausalLM, LitCausalLM, lm_loss, token_batches, token_loader
+from tests.context_parallel_models import (
+    DIM,
+    Block,
+    CausalLM,
+    LitCausalLM,
+    lm_loss,
+    token_batches,
+    token_loader,
+)
 from tests.fits import full_params, trainer_for
 from tests.test_parity import assert_same_training
 
@@ -89,6 +97,40 @@ class LitCausalLMAdamW(LitCausalLM):
         decayed = [p for n, p in named if not ("norm" in n or n.endswith(".bias"))]
         return torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
                                  lr=3e-3, eps=1e-3)  # eps: rounding-level gradients take rounding-level steps
+
+
+class GainBlock(Block):
+    """A block with buffers: a persistent gain it scales its output by, and a non-persistent step count."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, DIM) / (depth + 1))  # each block its own
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return super().forward(x) * self.gain
+
+
+class LitCausalLMBuffers(LitCausalLM):
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.blocks = torch.nn.Sequential(*(GainBlock(depth) for depth in range(len(self.model.blocks))))
+
+
+def test_blocks_with_buffers_train_and_resume_as_ddp(tmp_path: Path) -> None:
+    """Each stage holds its blocks' buffers, agreed over its data-parallel ranks; a save at P=2 x D=2 holds every
+    stage's persistent buffers, and resumes at P=1 with DDP's losses and weights."""
+    path = str(tmp_path / "ckpt")
+    common = {"samples": 8, "module_class": LitCausalLMBuffers, "auto_wrap_policy": {GainBlock}}
+    run_on_ranks(fit, 4, "shard", steps=5, save=path, pipeline_parallel_size=2, microbatches=2, **common)
+    assert {"model/model.blocks.0.gain", "model/model.blocks.1.gain"} <= set(inspect(path).tensors)
+    ours = run_on_ranks(fit, 2, "shard", resume=path, **common)
+    whole = run_on_ranks(fit, 2, "ddp", **common)
+    for rank, result in enumerate(ours):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(whole[rank]["losses"][5:]))
+        for name, value in whole[rank]["params"].items():
+            torch.testing.assert_close(result["params"][name], value, msg=f"{name}, rank {rank}")
 
 
 class LitCausalLMLoops(LitCausalLM):

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.planning import initializer
@@ -97,8 +98,11 @@ def run_initializer(module: nn.Module, device: torch.device, module_name: str = 
         )
 
 
-def materialize_and_sync_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    """Move buffers to ``device`` (floating ones to ``dtype``), and make every rank hold rank 0's values.
+def materialize_and_sync_buffers(
+    root: nn.Module, device: torch.device, dtype: torch.dtype | None, group: ProcessGroup | None = None
+) -> None:
+    """Move buffers to ``device`` (floating ones to ``dtype``), and make every rank of ``group`` (``None``: all)
+    hold its first rank's values.
 
     A buffer registered in several modules (the same tensor) stays one tensor: it is moved once and every module
     gets the moved tensor.
@@ -119,8 +123,8 @@ def materialize_and_sync_buffers(root: nn.Module, device: torch.device, dtype: t
             target = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
             new = buf.to(device=device, dtype=target) if buf.device != device or buf.dtype != target else buf
             moved[id(buf)] = module._buffers[name] = new
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        _broadcast_from_rank0_coalesced(_unique_buffers(root.modules()))
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        _broadcast_from_rank0_coalesced(_unique_buffers(root.modules()), group)
 
 
 class BufferSync:
@@ -143,8 +147,11 @@ class BufferSync:
     DDP's does (``shard_module``, or the strategy when it is given a model sharded before).
     """
 
-    def __init__(self, root: nn.Module, world_size: int) -> None:
+    def __init__(self, root: nn.Module, world_size: int, group: ProcessGroup | None = None) -> None:
+        """``group``: the ranks whose buffers agree, its first rank's (``None``: every rank, global rank 0's); under
+        pipeline parallelism a stage's data-parallel ranks, each stage holding its own buffers."""
         self.enabled = True  # ShardStrategy(broadcast_buffers=...)
+        self._group = group
         self.accumulating = False  # inside a micro-batch that does not end an accumulation window
         self._due = True  # whether the next outermost root forward starts with a broadcast
         self._world_size = world_size
@@ -157,9 +164,9 @@ class BufferSync:
             self.broadcast()
 
     def broadcast(self) -> None:
-        """Overwrite every buffer with global rank 0's (collective; nothing with one rank or no buffers)."""
+        """Overwrite every buffer with the group's first rank's (collective; nothing with one rank or no buffers)."""
         if self._owners and self._world_size > 1:
-            _broadcast_from_rank0_coalesced(_unique_buffers(self._owners))
+            _broadcast_from_rank0_coalesced(_unique_buffers(self._owners), self._group)
 
 
 def _unique_buffers(modules: Iterable[nn.Module]) -> list[Tensor]:
@@ -172,20 +179,20 @@ def _unique_buffers(modules: Iterable[nn.Module]) -> list[Tensor]:
     return list(seen.values())
 
 
-def _broadcast_from_rank0_coalesced(buffers: list[Tensor]) -> None:
-    """Overwrite ``buffers`` on every rank with global rank 0's values: one broadcast per device, of every buffer's
-    bytes packed into one flat ``uint8`` tensor, whatever their dtypes."""
+def _broadcast_from_rank0_coalesced(buffers: list[Tensor], group: ProcessGroup | None = None) -> None:
+    """Overwrite ``buffers`` on every rank of ``group`` (``None``: all) with its first rank's values: one broadcast
+    per device, of every buffer's bytes packed into one flat ``uint8`` tensor, whatever their dtypes."""
     by_device: dict[torch.device, list[Tensor]] = {}
     for buf in buffers:
         by_device.setdefault(buf.device, []).append(buf)
-    is_source = torch.distributed.get_rank() == 0
+    is_source = torch.distributed.get_rank(group) == 0
     with torch.no_grad():
         for device, bufs in by_device.items():
             if is_source:
                 flat = torch.cat([buf.reshape(-1).view(torch.uint8) for buf in bufs])
             else:
                 flat = torch.empty(sum(buf.nbytes for buf in bufs), dtype=torch.uint8, device=device)
-            collectives.broadcast_from_rank0(flat)
+            collectives.broadcast_from_rank0(flat, group)
             if is_source:
                 continue
             # As DDP does: a graph that saved a buffer for backward (BatchNorm in eval mode) before the

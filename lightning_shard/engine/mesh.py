@@ -115,6 +115,12 @@ class ShardMesh:
             return self.replicate_group
         return self.column_data_parallel_group  # never None here: None would mean every rank, all columns
 
+    @property
+    def buffer_group(self) -> ProcessGroup | None:
+        """The ranks whose buffers agree with their first rank's: every rank (``None``), or under pipeline
+        parallelism this stage's data-parallel ranks (each stage holds its own modules' buffers)."""
+        return self.data_parallel_group if self.pipeline is not None else None
+
     def destroy(self) -> None:
         """Destroy the sub-groups this mesh created (never the default group)."""
         self._drop_device_mesh()

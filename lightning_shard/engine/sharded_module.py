@@ -124,7 +124,7 @@ class ShardedModule:
         self._position: dict[int, int] = {}
         self._pending_reduction: collectives.Pending | None = None
         self._pending_reduction_unit: ShardUnit | None = None
-        self.buffer_sync = BufferSync(root, mesh.world_size)  # see [Note: buffers follow DDP]
+        self.buffer_sync = BufferSync(root, mesh.world_size, mesh.buffer_group)  # see [Note: buffers follow DDP]
         self.pool = BufferPool()  # every unit's step buffers: see [Note: the buffer pool]
         # Parameters built on the meta device by modules without reset_parameters(), not loaded yet: fqn -> where.
         self.uninitialized: dict[str, str] = {}
@@ -436,7 +436,8 @@ def shard_module(
     if device.type == "cpu":  # see [Note: normalization inputs on CPU] in mixed_precision.py
         cast_normalization_inputs(m for sps in assignment.values() for sp in sps if sp.compute_dtype is not None
                                   for m, _ in sp.owners)
-    materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None)
+    materialize_and_sync_buffers(root, device, parse_dtype(mixed_precision.buffer_dtype) if mixed_precision else None,
+                                 mesh.buffer_group)  # fmt: skip
     engine = ShardedModule(root, units, mesh, strategy)
     note_tensor_parallel_parts(mesh, [(sp.tensor_parallel, sp.sharded) for sp in engine.sharded_params()])
     engine.uninitialized = uninitialized

@@ -142,10 +142,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             (``scaled_dot_product_attention``) sees the whole sequence, ``cross_entropy`` is the whole sequence's,
             and parameters shard over the data x context ranks (see docs/context_parallel.md).
         pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points: ``P > 1`` splits the
-            model's blocks (by ``auto_wrap_policy``, or its longest list of repeated blocks) into ``P`` stages on consecutive groups of ranks, each sharded
-            over its data-parallel ranks; every call of the model runs ``microbatches`` (default ``P``) microbatches
-            through the stages by ``"1F1B"`` (default) or ``"gpipe"``, and returns the whole output on every rank
-            (see docs/pipeline_parallel.md). ``pipeline_split_points``: the blocks where stages 1.. begin.
+            model's blocks (by ``auto_wrap_policy``, or its longest list of repeated blocks) into ``P`` stages on
+            consecutive groups of ranks, each sharded over its data-parallel ranks; every call of the model runs
+            ``microbatches`` (default ``P``) microbatches through the stages by ``"1F1B"`` (default) or
+            ``"gpipe"``, and returns the whole output on every rank (see docs/pipeline_parallel.md).
+            ``pipeline_split_points``: the blocks where stages 1.. begin.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
         timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
             naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.

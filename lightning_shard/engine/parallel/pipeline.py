@@ -216,7 +216,7 @@ class Stage:
 def prune_to_stage(root: nn.Module, split: StageSplit, stage: int) -> Stage:
     """Replace, in ``root``, every module holding parameters or buffers that stage ``stage`` does not run with a
     ``SkippedModule`` (which keeps the weights this stage shares with it: see [Note: weights tied across stages]).
-    Raises ``PipelineError`` for a parameter held by ``root`` itself, or a buffer (not supported yet)."""
+    Raises ``PipelineError`` for a parameter or buffer held by ``root`` itself."""
     places: dict[str, int] = {}  # module name -> the stage that holds it
     parents: dict[str, tuple[nn.Module, str]] = {}
     seen_block = False
@@ -241,7 +241,6 @@ def prune_to_stage(root: nn.Module, split: StageSplit, stage: int) -> Stage:
             f"{type(root).__name__} holds {', '.join(loose)} directly, which no pipeline stage can own: put them in"
             " a submodule (an embedding before the blocks, a head after them)."
         )
-    _refuse_buffers(root, split.stages)
     ties = _ties_across_stages(root, places)
     kept = {name: p for tie, p in ties if stage in tie.stages for name in tie.names}
     for name, held_by in places.items():
@@ -280,16 +279,6 @@ def _ties_across_stages(root: nn.Module, places: dict[str, int]) -> list[tuple[T
         if len(stages) > 1:
             ties.append((TiedParameter(tuple(aliases), tuple(stages)), p))
     return ties
-
-
-def _refuse_buffers(root: nn.Module, stages: int) -> None:
-    """Buffers, which the stages do not synchronise yet."""
-    buffers = [n for n, _ in root.named_buffers()]
-    if buffers:
-        raise PipelineError(
-            f"pipeline_parallel_size={stages} does not support models with buffers yet; the model has"
-            f" {', '.join(buffers[:5])}{' ...' if len(buffers) > 5 else ''}."
-        )
 
 
 # Ranks #
