@@ -5,13 +5,14 @@ against pure sharding on the same two ranks and the same global batch, under Fab
 
 The model is the example's GPT (``examples/train_gpt.py``: embedding tied to the head; 8 blocks, width 128, 4 heads,
 vocab 256, sequences of 128 tokens), global batch 16, AdamW. Each configuration runs in fresh processes (2 gloo
-ranks): 2 warm-up steps, then the median of 5 steps (the slowest rank's). Peak memory is the rank's maximum RSS above
-its RSS after set-up (the larger of the two ranks); MALLOC_MMAP_THRESHOLD_ makes freed blocks go back to the kernel,
-so RSS follows what the step holds. The bubble is the share of the schedule's forward and backward a stage spent
-outside its own microbatches' forwards and backwards (``Pipeline.busy_seconds`` of ``Pipeline.schedule_seconds``),
-the larger of the two stages, against the theory for both schedules, ``(P - 1) / (M + P - 1)``; the idle share of
-the step also counts what every step does outside the schedule (the loss, the optimizer step). Medians over the
-measured steps. Run it with nothing else busy: 2 ranks on 2 cores.
+ranks): 2 warm-up steps, then the median of 5 steps (the slowest rank's). Peak memory is the rank's maximum RSS
+during the steps (the kernel's high-water mark, reset after set-up) above its RSS after set-up, the larger of the
+two ranks; MALLOC_MMAP_THRESHOLD_ makes freed blocks go back to the kernel, so RSS follows what the step holds. The
+bubble is the share of the schedule's forward and backward a stage spent outside its own microbatches' forwards and
+backwards (``Pipeline.busy_seconds`` of ``Pipeline.schedule_seconds``), the larger of the two stages, against the
+theory for both schedules, ``(P - 1) / (M + P - 1)``; the idle share of the step also counts what every step does
+outside the schedule (the loss, the optimizer step). Medians over the measured steps. Run it with nothing else
+busy: 2 ranks on 2 cores.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import sys
@@ -34,6 +34,17 @@ WARMUP, MEASURED = 2, 5
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _reset_peak_rss() -> None:
+    """Make the kernel's high-water mark of this process's RSS (``VmHWM``) start again from its RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def _worker(rank: int, port: int, config: dict, out: object) -> None:
@@ -66,6 +77,7 @@ def _worker(rank: int, port: int, config: dict, out: object) -> None:
         tokens = tokens[rank * local : (rank + 1) * local]
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     before = _rss_mib()
+    _reset_peak_rss()  # the steps' peak, not set-up's (the whole model is built before a stage is kept)
     times, bubbles = [], []
     for step in range(WARMUP + MEASURED):
         torch.distributed.barrier()
@@ -85,7 +97,7 @@ def _worker(rank: int, port: int, config: dict, out: object) -> None:
             if pipeline is not None:
                 bubbles.append((measured_bubble(pipeline.busy_seconds, pipeline.schedule_seconds),
                                 measured_bubble(pipeline.busy_seconds, slowest.item()), pipeline.busy_seconds))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    peak = _peak_rss_mib() - before
     medians = [statistics.median(b[i] for b in bubbles) if bubbles else 0.0 for i in range(3)]
     result = torch.tensor([peak, *medians])
     gathered = [torch.zeros(4) for _ in range(2)]

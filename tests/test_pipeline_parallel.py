@@ -21,7 +21,7 @@ from lightning_shard.engine import summon_full_params
 from lightning_shard.engine.parallel.pipeline import PipelineError, StageSplit, prune_to_stage, split_microbatches
 from lightning_shard.engine.policies import ModuleClassWrapPolicy
 from lightning_shard.engine.sharded_module import sharded_module_of
-from lightning_shard.testing import run_on_ranks
+from lightning_shard.testing import RankFailure, run_on_ranks
 from tests.context_parallel_models import (
     DIM,
     Block,
@@ -116,11 +116,15 @@ class LitCausalLMBuffers(LitCausalLM):
     def configure_model(self) -> None:
         super().configure_model()
         self.model.blocks = torch.nn.Sequential(*(GainBlock(depth) for depth in range(len(self.model.blocks))))
+        if self.global_rank % 2:  # a data-parallel rank but the first: its buffers must become the first's
+            for block in self.model.blocks:
+                block.gain.add_(1.0)
 
 
 def test_blocks_with_buffers_train_and_resume_as_ddp(tmp_path: Path) -> None:
-    """Each stage holds its blocks' buffers, agreed over its data-parallel ranks; a save at P=2 x D=2 holds every
-    stage's persistent buffers, and resumes at P=1 with DDP's losses and weights."""
+    """Each stage holds its blocks' buffers (each block's differ), agreed with its first data-parallel rank's (the
+    second rank of each starts from other values, as under DDP); a save at P=2 x D=2 holds every stage's persistent
+    buffers, and resumes at P=1 with DDP's losses and weights."""
     path = str(tmp_path / "ckpt")
     common = {"samples": 8, "module_class": LitCausalLMBuffers, "auto_wrap_policy": {GainBlock}}
     run_on_ranks(fit, 4, "shard", steps=5, save=path, pipeline_parallel_size=2, microbatches=2, **common)
@@ -326,6 +330,44 @@ def test_without_auto_wrap_policy_the_blocks_are_the_longest_list_of_repeated_mo
         repeated_blocks(mixed)
 
 
+class LitCausalLMThreeBlocks(LitCausalLM):
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.model = CausalLM(layers=3, tied=True)
+
+
+def test_a_weight_tied_between_the_first_and_last_of_three_stages_trains_as_ddp() -> None:
+    """P=3 on 3 ranks: the embedding on stage 0 and the head on stage 2 share their weight, which stage 1 does not
+    hold; the two holders sum its gradient over a group of their own."""
+    clip = {"gradient_clip_val": 0.5}
+    ours = run_on_ranks(fit, 3, "shard", module_class=LitCausalLMThreeBlocks, trainer_kwargs=clip,
+                        pipeline_parallel_size=3, microbatches=2)  # fmt: skip
+    reference = run_on_ranks(fit, 1, "ddp", module_class=LitCausalLMThreeBlocks, trainer_kwargs=clip)
+    assert_same_training(ours, reference * 3)
+    assert "model.wte.weight" not in ours[1]["stage"]
+
+
+class LitCausalLMWithTemperature(LitCausalLM):
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+
+def test_parameters_outside_the_pipelined_module_are_refused_on_every_rank() -> None:
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(fit, 2, "shard", module_class=LitCausalLMWithTemperature, pipeline_parallel_size=2)
+    assert failure.value.failed_ranks == [0, 1] and str(failure.value).count("holds temperature outside model") >= 2
+
+
+def test_a_full_layout_save_under_pipeline_parallelism_is_refused_on_every_rank(tmp_path: Path) -> None:
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(fit, 2, "shard", steps=1, save=str(tmp_path / "ckpt"), pipeline_parallel_size=2,
+                     state_dict_type="full")  # fmt: skip
+    assert failure.value.failed_ranks == [0, 1]
+    assert str(failure.value).count("state_dict_type='full' under pipeline_parallel_size=2") >= 2
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_each_stage_keeps_the_weights_it_shares_under_every_name() -> None:
     for stage in (0, 1):
         model = CausalLM(tied=True)
@@ -349,6 +391,8 @@ def test_a_stage_keeps_only_its_blocks_and_ends() -> None:
 def test_bad_pipeline_arguments_are_refused_when_the_strategy_is_built() -> None:
     with pytest.raises(ValueError, match=r"pipeline_schedule must be one of 'gpipe', '1F1B'"):
         ShardStrategy(auto_wrap_policy={Block}, pipeline_parallel_size=2, pipeline_schedule="zigzag")
+    with pytest.raises(ValueError, match=r"'Interleaved1F1B' runs several stages on each rank"):
+        ShardStrategy(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B")
     with pytest.raises(ValueError, match=r"splits the model into stages of whole blocks"):
         ShardStrategy(pipeline_parallel_size=2, auto_wrap_policy=True)
     with pytest.raises(ValueError, match=r"with sharding_strategy='HYBRID_SHARD' is not supported yet"):

@@ -56,7 +56,8 @@ def setup_sharded_module(
     engine.buffer_sync.enabled = options.broadcast_buffers
     if stage is not None:  # the ties' names are under the pipelined submodule's
         prefix = stage.prefix + "." if stage.prefix else ""
-        stage.pipeline.bind_ties({n.removeprefix(prefix): p.sharded for p in engine.sharded_params() for n in p.fqns})
+        shards = {n.removeprefix(prefix): p.sharded for p in engine.sharded_params() for n in p.fqns}
+        stage.pipeline.ties.bind(shards, stage.pipeline.ranks, mesh.owned_groups, offloads, mesh.shard_backend)
     if len(engine.units) == 1 and mesh.shard_size > 1 and not sharded_before:
         rank_zero_warn(
             f"ShardStrategy made the whole {type(module).__name__} one unit: no auto_wrap_policy and no wrap() or"
@@ -99,6 +100,12 @@ def install_pipeline(
             f" callable (module, name) -> bool in auto_wrap_policy, got {type(is_block).__name__}."
         )
     name, target = pipelined_submodule(module, is_block)
+    outside = [n for n, _ in module.named_parameters() if name and not n.startswith(name + ".")]
+    if outside:  # every stage would hold and write them
+        raise PipelineError(
+            f"{type(module).__name__} holds {', '.join(outside[:5])} outside {name}, the module whose blocks the"
+            f" pipeline stages split: move them into {name} (before its blocks: the first stage; after: the last)."
+        )
     split = StageSplit.of(target, is_block, options.pipeline_parallel_size,
                           None if options.pipeline_split_points is None else list(options.pipeline_split_points))
     pipeline = Pipeline.install(target, split, ranks, options.pipeline_schedule,
@@ -110,13 +117,14 @@ def install_pipeline(
 
 def repeated_blocks(root: nn.Module) -> ModuleClassWrapPolicy:
     """The block rule of a model given no ``auto_wrap_policy``: the class of the children of its longest
-    ``nn.ModuleList`` or ``nn.Sequential`` whose children (at least two) are all of one class (a transformer's
-    layers). Raises ``PipelineError`` when it has none."""
+    ``nn.ModuleList`` or ``nn.Sequential`` whose children (at least two, each holding parameters) are all of one
+    class (a transformer's layers; the first such list when several are as long). Raises ``PipelineError`` when it
+    has none."""
     found: list[tuple[int, str, type[nn.Module]]] = []
     for name, m in root.named_modules():
         children = list(m.children())
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(children) > 1:
-            if len({type(c) for c in children}) == 1:
+            if len({type(c) for c in children}) == 1 and all(_holds_parameters(c) for c in children):
                 found.append((len(children), name, type(children[0])))
     if not found:
         raise PipelineError(
@@ -130,6 +138,10 @@ def repeated_blocks(root: nn.Module) -> ModuleClassWrapPolicy:
         " are also its sharding units; pass auto_wrap_policy to choose other blocks."
     )
     return ModuleClassWrapPolicy(frozenset({cls}))
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def pipelined_submodule(root: nn.Module, is_block: Any) -> tuple[str, nn.Module]:

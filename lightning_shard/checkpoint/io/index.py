@@ -284,10 +284,11 @@ def pipeline_size(path: Path | MemberURL, index: dict[str, Any]) -> int:
     blocks, bounds = (entry.get("blocks"), entry.get("bounds")) if isinstance(entry, dict) else (None, None)
     size = entry.get("size") if isinstance(entry, dict) else None
     if not (is_count(size) and size > 1 and isinstance(entry.get("module"), str) and isinstance(blocks, list)
-            and all(isinstance(b, str) for b in blocks) and isinstance(bounds, list) and len(bounds) == size + 1
-            and all(is_count(b) for b in bounds) and bounds == sorted(bounds) and bounds[0] == 0
+            and all(isinstance(b, str) for b in blocks) and len(set(blocks)) == len(blocks)
+            and isinstance(bounds, list) and len(bounds) == size + 1 and all(is_count(b) for b in bounds)
+            and all(a < b for a, b in zip(bounds, bounds[1:])) and bounds[0] == 0
             and bounds[-1] == len(blocks)):  # fmt: skip
-        raise _damaged(path, f"'{PIPELINE}' must record the stage count and each stage's blocks")
+        raise _damaged(path, f"'{PIPELINE}' must record the stage count and each stage's blocks (at least one each)")
     return int(size)
 
 

@@ -22,24 +22,34 @@ import torch
 from torch import Tensor
 
 from lightning_shard.checkpoint.format import MODEL_PREFIX, dtype_from_name, dtype_name
+from lightning_shard.checkpoint.format.adapters import ADAPTERS
 from lightning_shard.checkpoint.io.index import LEFT_OUT, SavedTensor
 from lightning_shard.checkpoint.io.layout import splits_by_rows
 
 
 def stage_tensors_to_json(saved: list[SavedTensor]) -> list[list[Any]]:
+    """A stage's tensors as the JSON its first rank sends rank 0: ``[key, shape, dtype name, split]`` each."""
     return [[t.key, list(t.shape), dtype_name(t.dtype), t.split] for t in saved]
 
 
 def stage_tensors_from_json(entries: list[list[Any]]) -> list[SavedTensor]:
+    """``stage_tensors_to_json``'s entries as the tensors they describe (rank 0, from its own ranks)."""
     return [SavedTensor(key, tuple(shape), dtype_from_name(dtype), split) for key, shape, dtype, split in entries]
 
 
 def merge_stage_fields(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
-    """The index fields of two pipeline stages' parts as one model's: ties and left-out weights together, each
-    optimizer's groups listing both stages' parameters (a tied weight once, by the name the first stage gave it)."""
+    """The index fields of two pipeline stages' parts as one model's: ties, left-out weights and each adapter's
+    tensors together, each optimizer's groups listing both stages' parameters (a tied weight once, by the name the
+    first stage gave it)."""
     merged = {**first, "ties": {**first["ties"], **later["ties"]}}
     if LEFT_OUT in later:
         merged[LEFT_OUT] = {**first.get(LEFT_OUT, {}), **later[LEFT_OUT]}
+    if ADAPTERS in later:  # each adapter's tensors on every stage
+        record = first.get(ADAPTERS) or {**later[ADAPTERS], "adapters": {}}
+        adapters = {name: {**entry, "tensors": {**entry["tensors"]}} for name, entry in record["adapters"].items()}
+        for name, entry in later[ADAPTERS]["adapters"].items():
+            adapters.setdefault(name, {**entry, "tensors": {}})["tensors"].update(entry["tensors"])
+        merged[ADAPTERS] = {**record, "adapters": adapters}
     optimizers = []
     for a, b in zip(first["optimizers"], later["optimizers"], strict=True):
         seen = {name for group in a["param_groups"] for name in group["params"]} | set(merged["ties"])

@@ -31,15 +31,6 @@ stage back-propagates each microbatch's slice of it, every stage sends its input
 the output without graphs, then in the backward re-runs each microbatch's forward in its one-forward-one-backward
 slot (random state restored, so dropout draws the same masks), holding at most ``P - s`` microbatches' graphs on
 stage ``s`` instead of ``M``: an extra forward in exchange for the loss seeing the whole output.
-
-[Note: weights tied across stages]
-A parameter registered under names of modules on different stages (a GPT's embedding, on the first stage, tied to
-its head, on the last) is kept by every stage holding one of those names: the ``SkippedModule`` standing in for the
-other stage's module holds it under its own names, so each stage's state dict and optimizer see the tied weight as
-the unsplit model does (one parameter, all its names). Each holding stage shards it alike over its data-parallel
-ranks; at set-up they take the first holder's values, and after each backward they sum what each stage added to its
-gradient (an all-reduce over the holders of one data-parallel coordinate), so every holder takes the same optimizer
-step and the copies stay equal. The gradient norm and a save count it on the first holder only.
 """
 
 from __future__ import annotations
@@ -57,6 +48,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
+
+from lightning_shard.engine.parallel.pipeline_ties import TiedAcrossStages, TiedParameter, ties_across_stages
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -80,15 +73,23 @@ class PipelineSchedule(str, Enum):
         for member in cls:
             if value == member or (isinstance(value, str) and value.lower() == member.value.lower()):
                 return member
-        raise ValueError(
-            f"pipeline_schedule must be one of {', '.join(repr(m.value) for m in cls)}, got {value!r}."
-        )
+        offered = ", ".join(repr(m.value) for m in cls)
+        if isinstance(value, str) and value.lower().replace("_", "") in _SCHEDULES_OF_SEVERAL_STAGES_PER_RANK:
+            raise ValueError(
+                f"pipeline_schedule={value!r} runs several stages on each rank, and each rank holds one stage here:"
+                f" use one of {offered} (more microbatches shrink their bubble)."
+            )
+        raise ValueError(f"pipeline_schedule must be one of {offered}, got {value!r}.")
 
     def bubble_fraction(self, stages: int, microbatches: int) -> float:
         """The share of a step each stage idles in theory, with forward and backward of one microbatch taking the
         same time on every stage: ``(P - 1) / (M + P - 1)`` for both schedules."""
         return (stages - 1) / (microbatches + stages - 1)
 
+
+# torch.distributed.pipelining's and torchtitan's names of schedules that hold several stages per rank
+_SCHEDULES_OF_SEVERAL_STAGES_PER_RANK = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
+                                         "dualpipev"}  # fmt: skip
 
 # Stages #
 
@@ -196,15 +197,6 @@ class SkippedModule(nn.Module):
 
 
 @dataclass(frozen=True)
-class TiedParameter:
-    """A parameter registered under several names (``names``, the root's registration order) of modules that
-    different stages hold (``stages``, in order): see [Note: weights tied across stages]."""
-
-    names: tuple[str, ...]
-    stages: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class Stage:
     """What ``prune_to_stage`` leaves: the stage's first and last block, and the weights it shares with others."""
 
@@ -215,7 +207,8 @@ class Stage:
 
 def prune_to_stage(root: nn.Module, split: StageSplit, stage: int) -> Stage:
     """Replace, in ``root``, every module holding parameters or buffers that stage ``stage`` does not run with a
-    ``SkippedModule`` (which keeps the weights this stage shares with it: see [Note: weights tied across stages]).
+    ``SkippedModule`` (which keeps the weights this stage shares with it: see [Note: weights tied across stages] in
+    ``pipeline_ties.py``).
     Raises ``PipelineError`` for a parameter or buffer held by ``root`` itself."""
     places: dict[str, int] = {}  # module name -> the stage that holds it
     parents: dict[str, tuple[nn.Module, str]] = {}
@@ -241,7 +234,7 @@ def prune_to_stage(root: nn.Module, split: StageSplit, stage: int) -> Stage:
             f"{type(root).__name__} holds {', '.join(loose)} directly, which no pipeline stage can own: put them in"
             " a submodule (an embedding before the blocks, a head after them)."
         )
-    ties = _ties_across_stages(root, places)
+    ties = ties_across_stages(root, places)
     kept = {name: p for tie, p in ties if stage in tie.stages for name in tie.names}
     for name, held_by in places.items():
         if held_by != stage:
@@ -263,22 +256,6 @@ def _stage_of(split: StageSplit, block: str) -> int:
 
 def _holds_state(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
-
-
-def _ties_across_stages(root: nn.Module, places: dict[str, int]) -> list[tuple[TiedParameter, nn.Parameter]]:
-    """Each parameter registered under names of modules on different stages (an embedding tied to the head)."""
-    def place(name: str) -> int:
-        return next(stage for module, stage in places.items() if name.startswith(module + "."))
-
-    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
-    for name, p in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), (p, []))[1].append(name)
-    ties = []
-    for p, aliases in names.values():
-        stages = sorted({place(a) for a in aliases})
-        if len(stages) > 1:
-            ties.append((TiedParameter(tuple(aliases), tuple(stages)), p))
-    return ties
 
 
 # Ranks #
@@ -338,8 +315,7 @@ class Pipeline:
     device: torch.device
     first_block: nn.Module
     last_block: nn.Module
-    ties: tuple[TiedParameter, ...] = ()
-    _tied: list[tuple[ProcessGroup, nn.Parameter]] = field(default_factory=list)  # this stage's, once sharded
+    ties: TiedAcrossStages = field(default_factory=TiedAcrossStages)
     _batches: list[_Microbatch] = field(default_factory=list)
     _current: _Microbatch | None = None
     _captured: Tensor | None = None
@@ -359,7 +335,7 @@ class Pipeline:
         """Prune ``module`` to this rank's stage and make each outermost call of it a run of the schedule."""
         stage = prune_to_stage(module, split, ranks.stage)
         first, last = stage.first_block, stage.last_block
-        pipeline = cls(module, ranks, schedule, microbatches, device, first, last, stage.ties)
+        pipeline = cls(module, ranks, schedule, microbatches, device, first, last, TiedAcrossStages(stage.ties))
         original = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -371,43 +347,6 @@ class Pipeline:
         first.register_forward_pre_hook(pipeline._take_received, with_kwargs=True)
         last.register_forward_hook(pipeline._capture)
         return pipeline
-
-    def bind_ties(self, sharded: dict[str, nn.Parameter]) -> None:
-        """Once the stage is sharded (``sharded``: each name of this stage's parameters -> the shard it trains):
-        give each weight tied across stages the first holding stage's values, and remember which shards to sum the
-        gradients of (see [Note: weights tied across stages]). Collective: every rank of the world calls it."""
-        world, stages = dist.get_world_size(), self.ranks.size
-        inner = self.ranks.global_ranks[0]  # this rank's place in its stage (stage s holds s * W / P ...)
-        for tie in self.ties:
-            group: ProcessGroup | None = None
-            if tie.stages == tuple(range(stages)):
-                group = self.ranks.group
-            else:  # every rank creates every group, in the same order
-                for other in range(world // stages):
-                    created = dist.new_group([s * (world // stages) + other for s in tie.stages])
-                    if other == inner and self.ranks.stage in tie.stages:
-                        group = created
-            if self.ranks.stage not in tie.stages:
-                continue
-            assert group is not None
-            shard = next(sharded[name] for name in tie.names if name in sharded)
-            with torch.no_grad():
-                dist.broadcast(shard.data, self.ranks.global_ranks[tie.stages[0]], group=group)
-            if self.ranks.stage != tie.stages[0]:
-                self.ranks.held_earlier.add(id(shard))
-            self._tied.append((group, shard))
-
-    def _sum_tied_gradients(self, before: list[Tensor | None]) -> None:
-        """Add to each tied shard's gradient what the other holding stages added to theirs in this backward
-        (``before``: the gradients when it began), so every holder steps with the whole model's gradient."""
-        for (group, shard), old in zip(self._tied, before):
-            grad = shard.grad if shard.grad is not None else torch.zeros_like(shard)
-            added = grad - old if old is not None else grad.clone()
-            dist.all_reduce(added, group=group)
-            if shard.grad is None:
-                shard.grad = added
-            else:  # in place: the engine may hold the gradient tensor
-                shard.grad.copy_(added if old is None else old + added)
 
     # Hooks: see [Note: the user's forward runs on every stage] #
 
@@ -506,7 +445,7 @@ class Pipeline:
         assert whole.grad is not None
         start = time.perf_counter()
         grads = list(torch.tensor_split(whole.grad, self.microbatches)) if self.ranks.is_last else []
-        before = [None if shard.grad is None else shard.grad.clone() for _, shard in self._tied]
+        before = self.ties.gradients()
         with torch.enable_grad():
             if self.schedule is PipelineSchedule.GPIPE:
                 for i in range(len(self._batches)):
@@ -516,8 +455,8 @@ class Pipeline:
         self._wait_sends()
         self._batches = []
         self.schedule_seconds += time.perf_counter() - start
-        if self._tied:  # once the engine has reduced every gradient of this backward (its callback runs first)
-            Variable._execution_engine.queue_callback(lambda: self._sum_tied_gradients(before))
+        if self.ties.bound:  # once the engine has reduced every gradient of this backward (its callback runs first)
+            Variable._execution_engine.queue_callback(lambda: self.ties.sum_gradients(before))
 
     def _one_forward_one_backward(self, grads: list[Tensor]) -> None:
         count, stage = len(self._batches), self.ranks.stage
