@@ -256,6 +256,51 @@ def fabric_steps(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
             "reference": {n: p.detach() for n, p in reference.named_parameters()}}  # fmt: skip
 
 
+def fabric_save_then_load(rank: int, world_size: int, path: str, stages: int) -> dict[str, Any]:
+    """With ``stages`` = 2: 3 steps of the tied model under Fabric, then ``fabric.save``; with 1: ``fabric.load`` of
+    that save. This rank's weights in full, and the loss of one more step."""
+    from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
+
+    extra = {"pipeline_parallel_size": 2, "microbatches": 2} if stages > 1 else {}
+    fabric = L.Fabric(accelerator="cpu", devices=world_size,
+                      strategy=FabricShardStrategy(auto_wrap_policy={Block}, **extra))  # fmt: skip
+    fabric.launch()
+    torch.manual_seed(0)
+    model = CausalLM(tied=True)
+    module = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(module.parameters(), lr=3e-3, eps=1e-3))
+    batches = token_batches(4, 4)
+    if stages > 1:
+        for x, y, pos in batches[:3]:
+            fabric.backward(lm_loss(module, x, y, pos))
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.save(path, {"model": module, "optimizer": optimizer, "step": 3})
+    else:
+        assert fabric.load(path, {"model": module, "optimizer": optimizer}) == {"step": 3}
+    x, y, pos = batches[3]
+    loss = lm_loss(module, x, y, pos)
+    fabric.backward(loss)
+    optimizer.step()
+    engine = sharded_module_of(model)
+    assert engine is not None
+    everything: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(everything, full_params(engine))
+    return {"loss": loss.item(), "params": {name: value for part in everything for name, value in part.items()}}
+
+
+def test_fabric_saves_two_stages_and_loads_them_without_pipeline_parallelism(tmp_path: Path) -> None:
+    """``fabric.save`` under two stages (AdamW state, the tied weight) and ``fabric.load`` into the unsplit model on
+    the same 2 ranks: the next step's loss and weights are the pipelined run's."""
+    path = str(tmp_path / "fabric-ckpt")
+    pipelined = run_on_ranks(fabric_save_then_load, 2, path, 2)
+    loaded = run_on_ranks(fabric_save_then_load, 2, path, 1)
+    for rank in range(2):
+        torch.testing.assert_close(loaded[rank]["loss"], pipelined[rank]["loss"], msg=f"rank {rank}")
+        for name, value in pipelined[rank]["params"].items():
+            torch.testing.assert_close(loaded[rank]["params"][name], value, msg=f"{name}, rank {rank}")
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1F1B"])
 def test_fabric_trains_as_the_whole_model_with_clipping_across_stages(schedule: str) -> None:
     """The loss computed from the set-up module's output is the whole model's on every rank, and clipping by the
