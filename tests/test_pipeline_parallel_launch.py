@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_shard.testing import run_on_ranks
 from tests.jobs import job_env, launch_role
 
 pytestmark = pytest.mark.launch
@@ -30,10 +31,21 @@ def _assert_same(ours: dict, expected: dict, what: str) -> None:
         torch.testing.assert_close(ours["params"][name], value, msg=f"{what} {name}")
 
 
+def _reference(rank: int, world_size: int, root: str) -> dict:
+    """The script's DDP oracle on one pooled rank (the oracle needs no fresh process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pipeline_parallel_fit", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return {"trainer": script.trainer_fit("reference", 1, Path(root))}
+
+
 def test_two_stages_train_as_the_unsplit_model_and_their_save_resumes_without_pipeline(tmp_path: Path) -> None:
     """The Trainer's two stages train as DDP on one rank; Fabric's as the plain model, in the same processes. Their
     save loads in a fresh process at pipeline_parallel_size=1 with the trained weights."""
-    (reference,) = _launch(tmp_path, "reference", 1)
+    (reference,) = run_on_ranks(_reference, 1, str(tmp_path))
     for rank, result in enumerate(_launch(tmp_path, "pipeline", 2)):
         assert result["created"], "the process group existed before the strategy ran"
         _assert_same(result["trainer"], reference["trainer"], f"trainer, rank {rank}")
