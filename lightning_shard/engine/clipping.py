@@ -38,8 +38,6 @@ def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.de
     if not mesh.tensor_parallel_parts:
         total = _local_norm_term([p.grad for p in shards if p.grad is not None], norm_type, device, dtype)
         _reduce(total, mesh.shard_group, norm_type)
-        if mesh.pipeline is not None:  # the other stages' parameters
-            _reduce(total, mesh.pipeline.group, norm_type)
     else:  # parts of tensor-parallel parameters, then everything every tensor-parallel rank holds alike
         parts = [p.grad for p in shards if p.grad is not None and id(p) in mesh.tensor_parallel_parts]
         alike = [p.grad for p in shards if p.grad is not None and id(p) not in mesh.tensor_parallel_parts]
@@ -49,8 +47,8 @@ def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.de
         split = terms[0].clone()
         _reduce(split, mesh.tensor_parallel_group, norm_type)
         total = torch.maximum(split, terms[1]) if math.isinf(norm_type) else split + terms[1]
-        if mesh.pipeline is not None:  # the other stages' parameters
-            _reduce(total, mesh.pipeline.group, norm_type)
+    if mesh.pipeline is not None:  # the other stages' parameters
+        _reduce(total, mesh.pipeline.group, norm_type)
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 

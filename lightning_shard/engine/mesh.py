@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_shard.engine.parallel.context import ContextParallel
-    from lightning_shard.engine.parallel.pipeline import PipelineRanks
+    from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 
 
 @dataclass

@@ -41,18 +41,15 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.distributed import ProcessGroup
 
+from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 from lightning_shard.engine.parallel.pipeline_ties import TiedAcrossStages, TiedParameter, ties_across_stages
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 
 class PipelineError(ValueError):
@@ -256,37 +253,6 @@ def _stage_of(split: StageSplit, block: str) -> int:
 
 def _holds_state(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
-
-
-# Ranks #
-
-
-@dataclass
-class PipelineRanks:
-    """This rank's place in its pipeline group: the ranks of one data x context x tensor coordinate, one per
-    stage, in stage order."""
-
-    group: ProcessGroup
-    size: int
-    stage: int
-    global_ranks: list[int]
-    # ids of this stage's sharded parameters an earlier stage holds too (tied): counted there by the gradient norm
-    # and written there by a save (see [Note: weights tied across stages])
-    held_earlier: set[int] = field(default_factory=set)
-
-    @classmethod
-    def of(cls, device_mesh: DeviceMesh) -> PipelineRanks:
-        """The pipeline ranks of a 1-D mesh (``device_mesh["pipeline_parallel"]``)."""
-        group = device_mesh.get_group()
-        return cls(group, device_mesh.size(), device_mesh.get_local_rank(), dist.get_process_group_ranks(group))
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.size - 1
 
 
 # Runtime #

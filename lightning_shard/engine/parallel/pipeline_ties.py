@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from lightning_shard.engine import collectives
 
 if TYPE_CHECKING:
-    from lightning_shard.engine.parallel.pipeline import PipelineRanks
+    from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 
 
 class TiedWeightsError(ValueError):
