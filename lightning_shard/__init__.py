@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from lightning_shard.engine.grad_scaler import ShardedGradScaler
     from lightning_shard.engine.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
     from lightning_shard.engine.mixed_precision import MixedPrecision
+    from lightning_shard.engine.optimizer_rule import OptimizerUpdate, declare_optimizer_update
     from lightning_shard.engine.policies import (
         CallableWrapPolicy,
         GradSync,
@@ -71,6 +72,8 @@ else:
         "ReplicatedMemoryBytes": "lightning_shard.engine.memory",
         "ShardMemoryBytes": "lightning_shard.engine.memory",
         "MixedPrecision": "lightning_shard.engine.mixed_precision",
+        "OptimizerUpdate": "lightning_shard.engine.optimizer_rule",
+        "declare_optimizer_update": "lightning_shard.engine.optimizer_rule",
         "CallableWrapPolicy": "lightning_shard.engine.policies",
         "GradSync": "lightning_shard.engine.policies",
         "ModuleClassWrapPolicy": "lightning_shard.engine.policies",
@@ -103,6 +106,7 @@ __all__ = [
     "MemoryReport",
     "MixedPrecision",
     "ModuleClassWrapPolicy",
+    "OptimizerUpdate",
     "ReplicatedMemoryBytes",
     "ShardMemoryBytes",
     "ShardMonitor",
@@ -114,6 +118,7 @@ __all__ = [
     "StalledRanksError",
     "__version__",
     "consolidate",
+    "declare_optimizer_update",
     "estimate_memory",
     "export_gguf",
     "export_hf",

@@ -77,7 +77,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 
-from lightning_shard.engine import collectives
+from lightning_shard.engine import collectives, torch_norms
 from lightning_shard.engine.buffer_pool import BufferPool
 from lightning_shard.engine.buffers import (
     BufferSync,
@@ -142,6 +142,7 @@ class ShardedModule:
             unit.on_reduce_started = functools.partial(self._overlap_reduction, unit)
             unit.on_gradient_computed = self._finish_other_reduction
         setattr(root, _ENGINE_ATTR, self)
+        torch_norms.watch(self)  # see [Note: torch's gradient norms on sharded parameters]
         for module in root.modules():  # see [Note: Hugging Face's generate() in step]
             if callable(getattr(module, "generate", None)):
                 module._is_fsdp_managed_module = True  # type: ignore[assignment]

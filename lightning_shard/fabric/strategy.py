@@ -51,6 +51,7 @@ from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.policies import GradSync, ParamInit, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
+from lightning_shard.engine.whole_tensor_step import prepare_optimizer
 from lightning_shard.engine.wrapping import wrap_marks_units
 from lightning_shard.fabric.checkpoint import (
     fabric_model_selection,
@@ -302,7 +303,9 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Check that ``optimizer`` holds shards of a set-up module (it was created after ``setup_module``)."""
+        """Check that ``optimizer`` holds shards of a set-up module (it was created after ``setup_module``) and that
+        it can update them exactly: an optimizer whose update reads whole tensors (Muon, Adafactor) runs each tensor
+        whole on one rank; one that cannot run exactly, or that nobody declared, is refused here."""
         shards = {id(p.sharded) for engine in self._engines for p in engine.sharded_params()}
         foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in shards)
         if foreign:
@@ -310,6 +313,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
                 f"The optimizer holds {foreign} tensor(s) that are not shards of a model set up with ShardStrategy."
                 " Create the optimizer after fabric.setup_module(model), from the returned model's parameters."
             )
+        prepare_optimizer(optimizer, self._engines)  # see [Note: what an optimizer may see of a sharded parameter]
         return optimizer
 
     @override

@@ -54,6 +54,7 @@ from lightning_shard.engine.policies import (
 )
 from lightning_shard.engine.progress import note_step
 from lightning_shard.engine.sharded_module import ShardedModule
+from lightning_shard.engine.whole_tensor_step import prepare_optimizer
 from lightning_shard.engine.wrapping import wrap_marks_units
 from lightning_shard.trainer.checkpoints import (
     load_model_state,
@@ -321,6 +322,14 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             _optimizers_to_device(self.optimizers, torch.device("cpu") if self.offloads else self.root_device)
             attach_preemption(trainer, finish_saves=self._saver.wait)  # see [Note: preemption at a step boundary]
             build_averaged_models(getattr(trainer, "callbacks", []), self.model)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The LightningModule's optimizers, each checked and prepared for the shards before its first step (see
+        [Note: what an optimizer may see of a sharded parameter])."""
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            prepare_optimizer(optimizer, [self.engine])
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:

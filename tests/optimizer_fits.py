@@ -1,0 +1,174 @@
+"""Worker functions for the optimizer tests: one Fabric loop, as plain PyTorch code writes it (the user's own
+``torch.nn.utils.clip_grad_norm_``, several optimizers), run under ``ShardStrategy`` on N ranks and in one process
+without any strategy on the same global batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_shard.fabric import ShardStrategy
+from tests.checkpoint_fits import module_full_state
+from tests.models import GPTBlock, TinyGPT, make_dataset
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
+
+
+@dataclass
+class OptimizerRun:
+    """Which optimizers, which clipping, how many steps; optional save and resume."""
+
+    optimizers: str = "muon"  # "muon" (Muon on the blocks' matrices, AdamW on the rest), "adafactor", or a class name
+    steps: int = 4
+    first_step: int = 0
+    clip: float | None = None  # the user's own torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    strategy_kwargs: dict[str, Any] | None = None
+    save_to: str | None = None
+    resume_from: str | None = None
+
+
+def newton_schulz_in_grad_dtype() -> None:
+    """Run Muon's orthogonalisation in the gradient's dtype (float32 here) instead of bfloat16, so that two exact
+    computations differ by float32 rounding only (bfloat16 would turn reduction-order rounding into 1e-3)."""
+    import torch.optim._muon as muon
+
+    def orthogonalise(grad: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
+        a, b, c = coefficients
+        x = grad.T if grad.size(0) > grad.size(1) else grad
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    muon._zeropower_via_newtonschulz = orthogonalise
+
+
+def make_optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if kind == "muon":  # as torch's documentation advises: Muon on the hidden matrices, AdamW on the rest
+        matrices = [p for n, p in trainable if p.dim() == 2 and "blocks" in n]
+        rest = [p for n, p in trainable if not (p.dim() == 2 and "blocks" in n)]
+        return [torch.optim.Muon(matrices, lr=2e-2, weight_decay=0.1), torch.optim.AdamW(rest, lr=1e-2)]
+    if kind == "adafactor":
+        return [torch.optim.Adafactor([p for _, p in trainable], lr=1e-2, weight_decay=0.1)]
+    if kind in ("NormalizedSGD", "AdamWithWarmup"):
+        return [globals()[kind]([p for _, p in trainable])]
+    cls = getattr(torch.optim, kind)
+    kwargs: dict[str, Any] = {"lr": 1e-2} if kind not in ("Adadelta",) else {"lr": 1.0}
+    return [cls([p for _, p in trainable], **kwargs)]
+
+
+def _batch(step: int, rank: int, world_size: int) -> tuple[Tensor, Tensor]:
+    data = make_dataset("gpt", n=16 * GLOBAL_BATCH)
+    local = GLOBAL_BATCH // world_size
+    start = step * GLOBAL_BATCH + rank * local
+    return data[start : start + local]
+
+
+def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _train(model: nn.Module, optimizers: list[torch.optim.Optimizer], run: OptimizerRun, rank: int, world: int,
+           backward: Any) -> list[float]:
+    norms = []
+    for step in range(run.first_step, run.first_step + run.steps):
+        x, y = _batch(step, rank, world)
+        backward(_loss(model, x, y))
+        if run.clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip)))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return norms
+
+
+def one_process(run: OptimizerRun) -> dict[str, Any]:
+    """The oracle: the plain model and optimizers in this process, on the whole global batch."""
+    newton_schulz_in_grad_dtype()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizers = make_optimizers(model, run.optimizers)
+    norms = _train(model, optimizers, run, 0, 1, lambda loss: loss.backward())
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"params": params, "norms": norms}
+
+
+def sharded(rank: int, world_size: int, run: OptimizerRun) -> dict[str, Any]:
+    """The same loop under Fabric and ShardStrategy on ``world_size`` ranks."""
+    newton_schulz_in_grad_dtype()
+    if run.optimizers == "NormalizedSGD":
+        from lightning_shard import declare_optimizer_update
+
+        declare_optimizer_update(NormalizedSGD, "per_tensor")
+    strategy = ShardStrategy(auto_wrap_policy={GPTBlock}, **(run.strategy_kwargs or {}))
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    module = TinyGPT()
+    model = fabric.setup_module(module)
+    built = make_optimizers(model, run.optimizers)
+    set_up = fabric.setup_optimizers(*built)
+    optimizers = list(set_up) if len(built) > 1 else [set_up]
+    state = {"model": model} | {f"optimizer{i}": opt for i, opt in enumerate(optimizers)}
+    if run.resume_from is not None:
+        fabric.load(run.resume_from, state)
+    norms = _train(model, optimizers, run, rank, world_size, fabric.backward)
+    if run.save_to is not None:
+        fabric.save(run.save_to, state)
+    full = module_full_state(module, [])["params"]
+    return {"params": full, "norms": norms}
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """A user's own matrix-wise optimizer: each step moves a tensor by ``lr`` along its gradient's direction, which
+    reads the whole gradient's norm."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["steps"] = state.get("steps", 0) + 1  # a Python value in the state
+                    p.add_(p.grad / p.grad.norm().clamp(min=1e-12), alpha=-group["lr"])
+        return None
+
+
+class AdamWithWarmup(torch.optim.AdamW):
+    """A subclass of a known optimizer that keeps its update (only its defaults differ)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=1e-2, weight_decay=0.0)
+
+
+def setup_refusal(rank: int, world_size: int, kind: str, declare: str | None = None) -> str | None:
+    """Set up an optimizer of ``kind`` under ShardStrategy; the error it raised on this rank, if any."""
+    from lightning_shard import declare_optimizer_update
+    from lightning_shard.engine.optimizer_rule import _DECLARED
+
+    _DECLARED.pop(NormalizedSGD, None)  # this worker process may have run a test that declared it
+    if declare is not None:
+        declare_optimizer_update(NormalizedSGD, declare)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={GPTBlock}))
+    fabric.launch()
+    model = fabric.setup_module(TinyGPT())
+    params = [p for p in model.parameters() if p.requires_grad]
+    builders = {"LBFGS": torch.optim.LBFGS, "SparseAdam": torch.optim.SparseAdam, "NormalizedSGD": NormalizedSGD,
+                "AdamWithWarmup": AdamWithWarmup}
+    optimizer = builders[kind](params)
+    try:
+        fabric.setup_optimizers(optimizer)
+    except ValueError as error:
+        return str(error)
+    return None

@@ -1,0 +1,122 @@
+"""What users bring trains right: torch.optim's optimizers under sharding equal one process, or are refused before
+the first step; the user's own ``torch.nn.utils.clip_grad_norm_`` sees whole gradients."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_shard.testing import run_on_ranks
+from tests.jobs import free_port, job_env
+from tests.optimizer_fits import OptimizerRun, one_process, setup_refusal, sharded
+
+
+def assert_same_params(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == reference.keys()
+    for name, expected in reference.items():
+        torch.testing.assert_close(ours[name], expected, msg=lambda found, name=name: f"{name}: {found}")
+
+
+@pytest.mark.parametrize("optimizers", ["muon", "adafactor"])
+def test_matrix_wise_optimizers_equal_one_process(optimizers: str) -> None:
+    run = OptimizerRun(optimizers=optimizers)
+    reference = one_process(run)
+    for result in run_on_ranks(sharded, 2, run):
+        assert_same_params(result["params"], reference["params"])
+
+
+def test_users_own_clip_grad_norm_equals_one_process() -> None:
+    run = OptimizerRun(optimizers="AdamW", clip=0.05)
+    reference = one_process(run)
+    for result in run_on_ranks(sharded, 2, run):
+        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]))
+        assert_same_params(result["params"], reference["params"])
+
+
+ELEMENTWISE = ["SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"]
+
+
+@pytest.mark.parametrize("optimizer", ELEMENTWISE)
+def test_elementwise_optimizers_equal_one_process(optimizer: str) -> None:
+    run = OptimizerRun(optimizers=optimizer, steps=3)
+    reference = one_process(run)
+    for result in run_on_ranks(sharded, 2, run):
+        assert_same_params(result["params"], reference["params"])
+
+
+def test_every_torch_optimizer_is_classified() -> None:
+    """A new torch.optim optimizer is either in the rule or refused by name: never run on shards by default."""
+    from lightning_shard.engine.optimizer_rule import _DECLARED, _REFUSED
+
+    shipped = {name for name in dir(torch.optim) if isinstance(getattr(torch.optim, name), type)
+               and issubclass(getattr(torch.optim, name), torch.optim.Optimizer) and name != "Optimizer"}
+    known = {cls.__name__ for cls in _DECLARED if cls.__module__.startswith("torch.optim")}
+    assert shipped == known | set(_REFUSED)
+    assert set(ELEMENTWISE) | {"Muon", "Adafactor"} == known
+
+
+@pytest.mark.parametrize(
+    ("sharding", "world_size", "mesh"),
+    [("SHARD_GRAD_OP", 2, None), ("NO_SHARD", 2, None), ("FULL_SHARD", 3, None), ("HYBRID_SHARD", 4, (2, 2))],
+)
+def test_muon_under_every_sharding_strategy(sharding: str, world_size: int, mesh: tuple[int, int] | None) -> None:
+    kwargs = {"sharding_strategy": sharding} | ({"device_mesh": mesh} if mesh else {})
+    run = OptimizerRun(optimizers="muon", steps=3, strategy_kwargs=kwargs)
+    if world_size == 3:
+        run.optimizers = "adafactor"  # rows three ranks do not divide: a rank holds a short chunk or none
+    reference = one_process(run)
+    for result in run_on_ranks(sharded, world_size, run):
+        assert_same_params(result["params"], reference["params"])
+
+
+def test_a_users_matrix_wise_optimizer_declared_per_tensor_equals_one_process() -> None:
+    run = OptimizerRun(optimizers="NormalizedSGD", steps=3)
+    reference = one_process(run)
+    for result in run_on_ranks(sharded, 2, run):
+        assert_same_params(result["params"], reference["params"])
+
+
+def test_a_subclass_that_keeps_its_parents_update_runs() -> None:
+    assert run_on_ranks(setup_refusal, 2, "AdamWithWarmup") == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("LBFGS", "ShardStrategy cannot run LBFGS: its line search"),
+        ("SparseAdam", "ShardStrategy cannot run SparseAdam: it needs sparse gradients"),
+        ("NormalizedSGD", 'declare_optimizer_update(NormalizedSGD, "per_tensor")'),
+    ],
+)
+def test_what_cannot_run_exactly_is_refused_before_the_first_step(kind: str, words: str) -> None:
+    errors = run_on_ranks(setup_refusal, 2, kind)
+    assert all(error is not None and words in error for error in errors), errors
+
+
+def test_muon_resumes_at_another_world_size(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    first = OptimizerRun(optimizers="muon", steps=2, save_to=path)
+    run_on_ranks(sharded, 2, first)
+    resumed = OptimizerRun(optimizers="muon", steps=2, first_step=2, resume_from=path)
+    reference = one_process(OptimizerRun(optimizers="muon", steps=4))
+    for result in run_on_ranks(sharded, 4, resumed):
+        assert_same_params(result["params"], reference["params"])
+
+
+@pytest.mark.launch
+def test_muon_and_the_users_clip_in_a_launched_trainer_equal_one_process(tmp_path) -> None:
+    """Manual optimization as plain-PyTorch users write it, in fresh processes that Lightning's launcher starts."""
+    script = Path(__file__).parent / "scripts" / "optimizer_fit.py"
+    done = subprocess.run([sys.executable, str(script), "--devices", "2", "--root", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600,
+                          env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    reference = one_process(OptimizerRun(optimizers="muon", clip=0.05))
+    for rank in range(2):
+        result = torch.load(tmp_path / f"shard-{rank}.pt")
+        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]))
+        assert_same_params(result["params"], reference["params"])
