@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     )
     from lightning_shard.engine.stall import StalledRanksError
     from lightning_shard.engine.tensor_parallel import hf_tensor_parallel_plan
+    from lightning_shard.engine.torch_norms import grad_norm
     from lightning_shard.engine.wrapping import mark_unit
     from lightning_shard.generation import generate
     from lightning_shard.inference import load_from_checkpoint
@@ -81,6 +82,7 @@ else:
         "SizeWrapPolicy": "lightning_shard.engine.policies",
         "StalledRanksError": "lightning_shard.engine.stall",
         "hf_tensor_parallel_plan": "lightning_shard.engine.tensor_parallel",
+        "grad_norm": "lightning_shard.engine.torch_norms",
         "mark_unit": "lightning_shard.engine.wrapping",
         "generate": "lightning_shard.generation",
         "load_from_checkpoint": "lightning_shard.inference",
@@ -125,6 +127,7 @@ __all__ = [
     "export_lightning",
     "export_peft",
     "generate",
+    "grad_norm",
     "hf_tensor_parallel_plan",
     "inspect",
     "load_from_checkpoint",

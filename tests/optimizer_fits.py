@@ -172,3 +172,61 @@ def setup_refusal(rank: int, world_size: int, kind: str, declare: str | None = N
     except ValueError as error:
         return str(error)
     return None
+
+
+class AdafactorLit(L.LightningModule):
+    """Automatic optimization as a Trainer user writes it: Adafactor with a learning-rate scheduler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = TinyGPT()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = _loss(self.net, *batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adafactor([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)}
+
+
+def trainer_fit(rank: int, world_size: int, engine: str) -> dict[str, Any]:
+    """``AdafactorLit`` for 5 steps with Lightning's own clipping, under ``engine`` ("shard" or "ddp")."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_shard import ShardStrategy as TrainerShardStrategy
+    from tests.fits import full_params_shard, trainer_for
+    from tests.models import loader
+
+    strategy = TrainerShardStrategy(auto_wrap_policy={GPTBlock}) if engine == "shard" else DDPStrategy()
+    module = AdafactorLit()
+    trainer = trainer_for(strategy, world_size, 5, gradient_clip_val=0.5)
+    trainer.fit(module, train_dataloaders=loader("gpt"))
+    if engine == "shard":
+        params = full_params_shard(strategy)
+        params = {name.removeprefix("net."): value for name, value in params.items()}
+    else:
+        params = {n: p.detach().clone() for n, p in module.net.named_parameters(remove_duplicate=False)}
+    return {"losses": module.losses, "params": params}
+
+
+def lightning_grad_norms(rank: int, world_size: int) -> dict[str, Tensor]:
+    """``lightning_shard.grad_norm`` after one backward of the sharded model (``world_size == 1``: Lightning's own
+    ``grad_norm`` on the plain model, in this process)."""
+    from lightning.pytorch.utilities import grad_norm as lightnings
+
+    from lightning_shard import grad_norm
+
+    torch.manual_seed(0)
+    module = TinyGPT()
+    if world_size == 1:
+        _loss(module, *_batch(0, 0, 1)).backward()
+        return {k: v.clone() for k, v in lightnings(module, 2).items()}
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ShardStrategy(auto_wrap_policy={GPTBlock}))
+    fabric.launch()
+    model = fabric.setup_module(module)
+    fabric.backward(_loss(model, *_batch(0, rank, world_size)))
+    return grad_norm(module, 2)

@@ -12,7 +12,14 @@ import torch
 
 from lightning_shard.testing import run_on_ranks
 from tests.jobs import free_port, job_env
-from tests.optimizer_fits import OptimizerRun, one_process, setup_refusal, sharded
+from tests.optimizer_fits import (
+    OptimizerRun,
+    lightning_grad_norms,
+    one_process,
+    setup_refusal,
+    sharded,
+    trainer_fit,
+)
 
 
 def assert_same_params(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
@@ -120,3 +127,30 @@ def test_muon_and_the_users_clip_in_a_launched_trainer_equal_one_process(tmp_pat
         result = torch.load(tmp_path / f"shard-{rank}.pt")
         torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]))
         assert_same_params(result["params"], reference["params"])
+
+
+def test_adafactor_with_a_scheduler_in_the_trainer_equals_ddp() -> None:
+    """Automatic optimization: the closure runs before the whole-tensor step, the scheduler still steps."""
+    reference = run_on_ranks(trainer_fit, 2, "ddp")
+    for ours, theirs in zip(run_on_ranks(trainer_fit, 2, "shard"), reference):
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]))
+        assert_same_params(ours["params"], theirs["params"])
+
+
+def test_grad_norm_gives_lightnings_keys_with_whole_tensor_norms() -> None:
+    reference = lightning_grad_norms(0, 1)
+    for ours in run_on_ranks(lightning_grad_norms, 2):
+        assert ours.keys() == reference.keys()
+        for key, expected in reference.items():
+            torch.testing.assert_close(ours[key], expected, msg=lambda found, key=key: f"{key}: {found}")
+
+
+def test_the_trainer_warns_when_a_module_uses_lightnings_grad_norm() -> None:
+    from lightning_shard.engine.torch_norms import warn_if_lightning_grad_norm
+    from tests.scripts.grad_norm_module import LoggingGradNorm
+
+    said: list[str] = []
+    warn_if_lightning_grad_norm(LoggingGradNorm(), said.append)
+    assert len(said) == 1 and "lightning_shard.grad_norm(self, norm_type)" in said[0]
+    warn_if_lightning_grad_norm(torch.nn.Linear(2, 2), said.append)  # a module whose source does not import it
+    assert len(said) == 1

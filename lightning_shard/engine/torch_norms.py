@@ -16,7 +16,9 @@ functions compute the norm through one module-level function of ``torch.nn.utils
   shard's.
 
 It is a collective whenever sharded gradients are given: every rank must call it, as with DDP every rank clips.
-``torch.nn.utils.clip_grad_value_`` is element-wise and right on shards as it is.
+``torch.nn.utils.clip_grad_value_`` is element-wise and right on shards as it is. Lightning's ``grad_norm`` logging
+utility computes each norm with ``Tensor.norm`` on the rows, which nothing can route: ``grad_norm`` below is its
+whole-tensor counterpart, and the Trainer warns when a LightningModule's source imports Lightning's.
 """
 
 from __future__ import annotations
@@ -95,3 +97,74 @@ def _sharded_owners(tensors: list[Tensor]) -> list[tuple[ShardedModule, ShardedP
             if p.sharded.grad is not None:
                 by_grad[id(p.sharded.grad)] = (engine, p)
     return [by_grad.get(id(t)) for t in tensors]
+
+
+@torch.no_grad()
+def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:
+    """Lightning's ``grad_norm(module, norm_type)`` for a sharded model: each parameter's gradient norm over the
+    whole tensor and the total norm, the same on every rank (Lightning's own computes each norm with ``Tensor.norm``
+    over this rank's rows). Collective: every rank must call it. The keys are Lightning's:
+    ``grad_{norm_type}_norm{group_separator}{name}`` and ``grad_{norm_type}_norm_total``."""
+    from lightning_shard.engine.sharded_module import sharded_module_of
+
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    engine = sharded_module_of(module) or next(
+        (e for e in _LIVE if any(m is e.root for m in module.modules())), None
+    )
+    if engine is None:
+        raise ValueError(f"grad_norm() needs a model sharded by ShardStrategy; {type(module).__name__} is not one.")
+    by_face = {id(p.sharded): p for p in engine.sharded_params()}
+    named = [(name, by_face[id(q)]) for name, q in module.named_parameters() if id(q) in by_face and q.grad is not None]
+    if not named:
+        return {}
+    terms = torch.stack([_local_term(p.sharded.grad, norm_type) for _, p in named]).to(engine.device)
+    mesh = engine.mesh
+    _reduce_terms(terms, mesh.shard_group, norm_type)
+    if mesh.tensor_parallel_group is not None and mesh.tensor_parallel_parts:
+        parts = torch.tensor([id(p.sharded) in mesh.tensor_parallel_parts for _, p in named], device=terms.device)
+        split = torch.where(parts, terms, torch.zeros_like(terms))
+        _reduce_terms(split, mesh.tensor_parallel_group, norm_type)
+        terms = torch.where(parts, split, terms)
+    norms = terms if math.isinf(norm_type) else terms.pow(1.0 / norm_type)
+    result = {f"grad_{norm_type}_norm{group_separator}{name}": norm for (name, _), norm in zip(named, norms)}
+    total = global_grad_norm([p.sharded for p in engine.sharded_params()], mesh, engine.device, norm_type)
+    result[f"grad_{norm_type}_norm_total"] = total
+    return result
+
+
+def _local_term(grad: Tensor, norm_type: float) -> Tensor:
+    """This rank's part of one gradient's norm: the max of |g|, or the sum of |g| ** p (0 for no rows)."""
+    if grad.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=grad.device)
+    norm = torch.linalg.vector_norm(grad.float(), norm_type)
+    return norm if math.isinf(norm_type) else norm.pow(norm_type)
+
+
+def _reduce_terms(terms: Tensor, group: Any, norm_type: float) -> None:
+    from lightning_shard.engine import collectives
+
+    if group is not None:
+        (collectives.all_reduce_max if math.isinf(norm_type) else collectives.all_reduce_sum)(terms, group)
+
+
+def warn_if_lightning_grad_norm(module: torch.nn.Module, warn: Callable[[str], Any]) -> None:
+    """Warn once if the module's source file imported Lightning's ``grad_norm``, which computes each parameter's norm
+    over this rank's rows on a sharded model (see ``grad_norm`` above for the one that does not)."""
+    import sys
+
+    lightning_versions = []
+    for package in ("lightning.pytorch.utilities", "pytorch_lightning.utilities"):
+        found = getattr(sys.modules.get(package), "grad_norm", None)
+        if found is not None:
+            lightning_versions.append(found)
+    source = sys.modules.get(type(module).__module__)
+    if source is None or not lightning_versions:
+        return
+    if any(value is fn for value in vars(source).values() for fn in lightning_versions):
+        warn(
+            f"{type(module).__name__}'s module imports Lightning's grad_norm, which under ShardStrategy computes each"
+            " parameter's norm with Tensor.norm over this rank's rows only. Use lightning_shard.grad_norm(self,"
+            " norm_type) instead: the same arguments and keys, each norm over the whole tensor."
+        )

@@ -22,6 +22,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffload
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
@@ -54,6 +55,7 @@ from lightning_shard.engine.policies import (
 )
 from lightning_shard.engine.progress import note_step
 from lightning_shard.engine.sharded_module import ShardedModule
+from lightning_shard.engine.torch_norms import warn_if_lightning_grad_norm
 from lightning_shard.engine.whole_tensor_step import prepare_optimizer
 from lightning_shard.engine.wrapping import wrap_marks_units
 from lightning_shard.trainer.checkpoints import (
@@ -302,6 +304,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         refuse_unsupported_callbacks(getattr(trainer, "callbacks", []))
+        warn_if_lightning_grad_norm(self.lightning_module, rank_zero_warn)  # see torch_norms.grad_norm
         self._saves.watch(trainer)
         if saves_in_background(self._checkpoint_io):
             layout = self.options.state_dict_type
