@@ -434,3 +434,45 @@ def test_storage_options_must_be_a_dict() -> None:
 def test_storage_options_beside_a_remote_directory_are_refused_not_ignored() -> None:
     with pytest.raises(TypeError, match="storage_options were given with memory://runs/x, a RemoteDirectory"):
         load_checkpoint(RemoteDirectory("memory://runs/x"), torch.nn.Linear(2, 2), storage_options={"anon": True})
+
+
+def averaged_full_saves_and_removal(rank: int, world_size: int, env: dict[str, str], url: str) -> list[list[str]]:
+    """A fit with EMA weight averaging and ``state_dict_type="full"`` saves to ``url`` twice (the second save replaces
+    the first), then ``remove_checkpoint`` deletes it; the objects there after each step (rank 0)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from torch.utils.data import DataLoader
+
+    from lightning_shard import ShardStrategy
+    from tests.checkpoint_fits import Snapshots
+
+    _use_server(env)
+    L.seed_everything(0)
+    strategy = ShardStrategy(auto_wrap_policy={"GPTBlock"}, state_dict_type="full")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[EMAWeightAveraging(decay=0.8)],
+    )  # fmt: skip
+    trainer.fit(Snapshots("gpt"), train_dataloaders=DataLoader(make_dataset("gpt"), batch_size=6))
+    seen = []
+    for _ in range(2):
+        trainer.save_checkpoint(url)
+        dist.barrier()
+        seen.append(_objects(env, url.removeprefix(f"s3://{BUCKET}/")))
+    trainer.strategy.remove_checkpoint(url)
+    dist.barrier()
+    seen.append(_objects(env, url.removeprefix(f"s3://{BUCKET}/")))
+    return seen
+
+
+def test_a_full_save_with_averaged_weights_on_s3_is_replaced_and_removed_whole(s3: S3Server) -> None:
+    """The averaged weights' file is one of the save's own objects: under its save id, named by the index, replaced
+    by the next save there and deleted by a removal."""
+    first, second, removed = run_on_ranks(averaged_full_saves_and_removal, 2, s3.env, f"s3://{BUCKET}/ema/ck")[0]
+    for objects in (first, second):
+        assert any(name.endswith(".average.safetensors") for name in objects), objects
+        assert "average.safetensors" not in objects  # every data object carries its save's id
+        save_ids = {name.split(".", 1)[0] for name in objects if name != "index.json"}
+        assert len(save_ids) == 1, objects  # nothing of the first save is left beside the second
+    assert removed == []

@@ -22,6 +22,7 @@ from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError
 from lightning_shard.checkpoint.io.index import iter_index_tensors
 
 AVERAGE_PREFIX = "average/"  # index keys of averaged tensors: "average/" + the model's state_dict key
+AVERAGE_FILE = "average.safetensors"  # where a "full" save streams the averaged weights
 AVERAGED_MODEL_KEY = "lightning_shard_averaged_model"  # the checkpoint dict's entry a save takes out
 
 

@@ -18,6 +18,7 @@ from lightning_shard.checkpoint.format import (
     TRAINER_STATE_TENSORS,
     CheckpointError,
 )
+from lightning_shard.checkpoint.io.averaged import AVERAGE_FILE
 from lightning_shard.checkpoint.io.index import FileRecord
 from lightning_shard.checkpoint.io.storage import RemoteDirectory
 
@@ -48,13 +49,14 @@ def commit_remote(tmp: Path, remote: RemoteDirectory, trainer_state: list[FileRe
 
 def is_save_object(name: str) -> bool:
     """Whether ``name`` is an object a save writes (and so one a later save may delete): the index, a shard or
-    model/optimizer file, the trainer state, each possibly under a save id."""
+    model/optimizer/averaged-weights file, the trainer state, each possibly under a save id."""
     head, _, rest = name.partition(".")
     base = rest if SAVE_ID.fullmatch(head) else name
     return base in _SAVED_NAMES or _SHARD_FILE.fullmatch(base) is not None
 
 
-_SAVED_NAMES = (INDEX_FILE, TRAINER_STATE_JSON, TRAINER_STATE_TENSORS, "model.safetensors", "optimizer.safetensors")
+_SAVED_NAMES = (INDEX_FILE, TRAINER_STATE_JSON, TRAINER_STATE_TENSORS, "model.safetensors", "optimizer.safetensors",
+                AVERAGE_FILE)
 _SHARD_FILE = re.compile(r"shard-\d{5,}-of-\d{5,}\.safetensors")
 
 

@@ -49,7 +49,7 @@ from lightning_shard.checkpoint.format.adapters import ADAPTERS, peft_adapters
 from lightning_shard.checkpoint.format.safetensors_header import SAVE_ID_METADATA
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.checkpoint.io.agreement import agree, broadcast_str, gather_on_first_rank
-from lightning_shard.checkpoint.io.averaged import AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
+from lightning_shard.checkpoint.io.averaged import AVERAGE_FILE, AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
 from lightning_shard.checkpoint.io.index import (
     LEFT_OUT,
     PIPELINE,
@@ -567,7 +567,7 @@ class _FullWriter(_Plan):
             records += self._stream(self.file_prefix + "optimizer.safetensors", optim)
         if self.averaged:
             averaged = [(AVERAGE_PREFIX + fqn, p, value) for fqn, p, value in self.averaged]
-            records += self._stream("average.safetensors", averaged)
+            records += self._stream(self.file_prefix + AVERAGE_FILE, averaged)
         return records
 
     def _stream(self, file: str, items: list[tuple[str, ShardedParam | None, Tensor]]) -> list[FileRecord]:
