@@ -193,11 +193,6 @@ class FileSeal:
         )
 
 
-def is_remote(directory: Location) -> bool:
-    """Whether ``directory`` is a ``RemoteDirectory`` (a URL) rather than a local ``Path``."""
-    return not isinstance(directory, Path)
-
-
 def read_json_member(directory: Location, name: str) -> Any:
     """The JSON file ``name`` of a checkpoint directory, refusing what is not a regular file inside it (a link out,
     a device, a pipe: nothing that could hang or never end) and anything above ``MAX_JSON_BYTES``."""

@@ -39,21 +39,9 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.pipeline * self.data * self.context * self.tensor
 
-    @property
-    def sharded_ranks(self) -> int:
-        """The ranks each parameter (each tensor-parallel part of it) is sharded over: data x context."""
-        return self.data * self.context
-
     def data_parallel_rank(self, global_rank: int) -> int:
         """Which batches ``global_rank`` sees: the ranks of one context x tensor block see the same ones."""
         return (global_rank % (self.data * self.context * self.tensor)) // (self.context * self.tensor)
-
-    def pipeline_rank(self, global_rank: int) -> int:
-        """The stage ``global_rank`` holds."""
-        return global_rank // (self.data * self.context * self.tensor)
-
-    def context_parallel_rank(self, global_rank: int) -> int:
-        return (global_rank // self.tensor) % self.context
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The ``("data_parallel", "context_parallel", "tensor_parallel")`` ``DeviceMesh``, with
