@@ -116,19 +116,20 @@ def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separ
     if engine is None:
         raise ValueError(f"grad_norm() needs a model sharded by ShardStrategy; {type(module).__name__} is not one.")
     by_face = {id(p.sharded): p for p in engine.sharded_params()}
-    named = [(name, by_face[id(q)]) for name, q in module.named_parameters() if id(q) in by_face and q.grad is not None]
+    named = [(name, by_face[id(q)], q.grad) for name, q in module.named_parameters()
+             if id(q) in by_face and q.grad is not None]
     if not named:
         return {}
-    terms = torch.stack([_local_term(p.sharded.grad, norm_type) for _, p in named]).to(engine.device)
+    terms = torch.stack([_local_term(grad, norm_type) for _, _, grad in named if grad is not None]).to(engine.device)
     mesh = engine.mesh
     _reduce_terms(terms, mesh.shard_group, norm_type)
     if mesh.tensor_parallel_group is not None and mesh.tensor_parallel_parts:
-        parts = torch.tensor([id(p.sharded) in mesh.tensor_parallel_parts for _, p in named], device=terms.device)
+        parts = torch.tensor([id(p.sharded) in mesh.tensor_parallel_parts for _, p, _ in named], device=terms.device)
         split = torch.where(parts, terms, torch.zeros_like(terms))
         _reduce_terms(split, mesh.tensor_parallel_group, norm_type)
         terms = torch.where(parts, split, terms)
     norms = terms if math.isinf(norm_type) else terms.pow(1.0 / norm_type)
-    result = {f"grad_{norm_type}_norm{group_separator}{name}": norm for (name, _), norm in zip(named, norms)}
+    result = {f"grad_{norm_type}_norm{group_separator}{name}": norm for (name, _, _), norm in zip(named, norms)}
     total = global_grad_norm([p.sharded for p in engine.sharded_params()], mesh, engine.device, norm_type)
     result[f"grad_{norm_type}_norm_total"] = total
     return result

@@ -304,7 +304,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         refuse_unsupported_callbacks(getattr(trainer, "callbacks", []))
-        warn_if_lightning_grad_norm(self.lightning_module, rank_zero_warn)  # see torch_norms.grad_norm
+        if self.lightning_module is not None:  # see torch_norms.grad_norm
+            warn_if_lightning_grad_norm(self.lightning_module, rank_zero_warn)
         self._saves.watch(trainer)
         if saves_in_background(self._checkpoint_io):
             layout = self.options.state_dict_type

@@ -17,7 +17,8 @@ contiguous parts would leave rank 0 idle while rank ``C - 1`` works. The sequenc
 (inputs, targets, ``position_ids``, an attention mask of shape ``(B, S)``), so position ids stay those of the
 whole sequence, and models that take them (Hugging Face's ``position_ids``, a rotary table indexed by them) place
 each token where it is. A model that derives positions from the length it sees (``torch.arange(x.size(1))``) would
-number the part from 0: give it ``position_ids`` in the batch.
+number the part from 0: ``attach`` refuses it (see [Note: positions and labels under context parallelism] in
+``context_checks.py``); give it ``position_ids`` in the batch.
 
 [Note: context-parallel ranks shard and reduce like data-parallel ones]
 The engine shards each parameter over the ``D * C`` ranks of one tensor-parallel coordinate and averages the
@@ -48,14 +49,11 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
+from lightning_shard.engine.parallel.context_checks import ContextParallelError, StepChecks
 from lightning_shard.engine.parallel.ulysses import ulysses_attention
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-
-class ContextParallelError(ValueError):
-    """A batch, a model or an attention call that context parallelism cannot split."""
 
 
 @dataclass
@@ -124,13 +122,21 @@ class ContextParallel:
     def attach(self, module: nn.Module) -> None:
         """Make every outermost call of ``module`` a step on a split batch: its arguments are ``split`` and it runs
         as under ``step`` (calls of ``module`` inside it, a LightningModule's ``self(x)`` in its ``training_step``,
-        are part of that step). Replaces what an earlier ``attach`` on ``module`` did."""
+        are part of that step). Replaces what an earlier ``attach`` on ``module`` did.
+
+        A step that would number positions from this rank's part of the sequence (a Hugging Face model called
+        without ``position_ids``, an embedding looked up at ``torch.arange`` of the part's length) or shift labels
+        within it (a Hugging Face model called with ``labels``) raises ``ContextParallelError`` naming the module,
+        before its output exists: see [Note: positions and labels under context parallelism] in
+        ``context_checks.py``."""
         for handle in _ATTACHED.pop(module, ()):
             handle.remove()
-        hooks = _StepHooks(self)
+        checks = StepChecks(self.size, self.group)
+        hooks = _StepHooks(self, checks)
         _ATTACHED[module] = (
             module.register_forward_pre_hook(hooks.enter, with_kwargs=True),
             module.register_forward_hook(hooks.exit, always_call=True),
+            *checks.install(module),
         )
 
     @contextmanager
@@ -236,8 +242,9 @@ class _StepHooks:
     """The forward hooks ``attach`` registers: the outermost call splits its arguments and runs in a ``_StepMode``,
     which its forward hook leaves (also when the forward raised: ``always_call``)."""
 
-    def __init__(self, context: ContextParallel) -> None:
+    def __init__(self, context: ContextParallel, checks: StepChecks) -> None:
         self.context = context
+        self.checks = checks
         self.depth = 0  # calls of the module in progress
         self.mode: _StepMode | None = None
 
@@ -248,6 +255,7 @@ class _StepHooks:
         args, kwargs = self.context.split((args, kwargs))
         self.mode = _StepMode(self.context)
         self.mode.__enter__()
+        self.checks.begin((args, kwargs))
         return args, kwargs
 
     def exit(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -255,12 +263,13 @@ class _StepHooks:
         if self.depth > 0 or self.mode is None:  # inside the step, or the split itself raised
             return
         mode, self.mode = self.mode, None
+        self.checks.end()
         mode.__exit__(None, None, None)
         if mode.attention_calls == 0 and output is not None:  # None: the forward raised
             raise ContextParallelError(_unreachable_attention(module, self.context.size))
 
 
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",

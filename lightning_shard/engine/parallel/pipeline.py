@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 
 from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
+from lightning_shard.engine.parallel.pipeline_support import unsupported_blocks
 from lightning_shard.engine.parallel.pipeline_ties import TiedAcrossStages, TiedParameter, ties_across_stages
 
 
@@ -298,7 +299,10 @@ class Pipeline:
     @classmethod
     def install(cls, module: nn.Module, split: StageSplit, ranks: PipelineRanks, schedule: PipelineSchedule,
                 microbatches: int, device: torch.device) -> Pipeline:  # fmt: skip
-        """Prune ``module`` to this rank's stage and make each outermost call of it a run of the schedule."""
+        """Prune ``module`` to this rank's stage and make each outermost call of it a run of the schedule. Raises
+        ``PipelineError`` for a Hugging Face model (see ``pipeline_support.py``), before pruning anything."""
+        if (unsupported := unsupported_blocks(module, split.blocks, split.stages)) is not None:
+            raise PipelineError(unsupported)
         stage = prune_to_stage(module, split, ranks.stage)
         first, last = stage.first_block, stage.last_block
         pipeline = cls(module, ranks, schedule, microbatches, device, first, last, TiedAcrossStages(stage.ties))
