@@ -79,11 +79,6 @@ class PipelineSchedule(str, Enum):
             )
         raise ValueError(f"pipeline_schedule must be one of {offered}, got {value!r}.")
 
-    def bubble_fraction(self, stages: int, microbatches: int) -> float:
-        """The share of a step each stage idles in theory, with forward and backward of one microbatch taking the
-        same time on every stage: ``(P - 1) / (M + P - 1)`` for both schedules."""
-        return (stages - 1) / (microbatches + stages - 1)
-
 
 # torch.distributed.pipelining's and torchtitan's names of schedules that hold several stages per rank
 _SCHEDULES_OF_SEVERAL_STAGES_PER_RANK = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
