@@ -230,3 +230,22 @@ def lightning_grad_norms(rank: int, world_size: int) -> dict[str, Tensor]:
     model = fabric.setup_module(module)
     fabric.backward(_loss(model, *_batch(0, rank, world_size)))
     return grad_norm(module, 2)
+
+
+def engine_alone(rank: int, world_size: int, prepare: bool) -> dict[str, Any] | str:
+    """Muon and AdamW on a model sharded by the engine alone (no Lightning), as a plain PyTorch script writes it,
+    with or without ``lightning_shard.engine.prepare_optimizer``; the error of the first step if it raised."""
+    from lightning_shard.engine import prepare_optimizer, shard_model
+
+    newton_schulz_in_grad_dtype()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    optimizers = make_optimizers(model, "muon")
+    if prepare:
+        optimizers = [prepare_optimizer(optimizer, model) for optimizer in optimizers]
+    try:
+        _train(model, optimizers, OptimizerRun(), rank, world_size, lambda loss: loss.backward())
+    except ValueError as error:
+        return str(error)
+    return {"params": module_full_state(model, [])["params"]}

@@ -14,6 +14,7 @@ from lightning_shard.testing import run_on_ranks
 from tests.jobs import free_port, job_env
 from tests.optimizer_fits import (
     OptimizerRun,
+    engine_alone,
     lightning_grad_norms,
     one_process,
     setup_refusal,
@@ -154,3 +155,12 @@ def test_the_trainer_warns_when_a_module_uses_lightnings_grad_norm() -> None:
     assert len(said) == 1 and "lightning_shard.grad_norm(self, norm_type)" in said[0]
     warn_if_lightning_grad_norm(torch.nn.Linear(2, 2), said.append)  # a module whose source does not import it
     assert len(said) == 1
+
+
+def test_the_engine_alone_runs_muon_prepared_and_refuses_it_unprepared() -> None:
+    reference = one_process(OptimizerRun(optimizers="muon"))
+    for result in run_on_ranks(engine_alone, 2, True):
+        assert not isinstance(result, str), result
+        assert_same_params(result["params"], reference["params"])
+    for error in run_on_ranks(engine_alone, 2, False):
+        assert isinstance(error, str) and "lightning_shard.engine.prepare_optimizer(optimizer, model)" in error, error

@@ -35,9 +35,11 @@ from lightning_shard.engine.policies import (
     resolve_wrap_policy,
 )
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
+from lightning_shard.engine.whole_tensor_step import prepare_optimizer as _prepare_optimizer
 from lightning_shard.engine.wrapping import mark_unit
 
-__all__ = ["ShardedModule", "clip_grad_norm_", "mark_unit", "shard_model", "sharded_module_of", "summon_full_params"]
+__all__ = ["ShardedModule", "clip_grad_norm_", "mark_unit", "prepare_optimizer", "shard_model", "sharded_module_of",
+           "summon_full_params"]
 
 
 def shard_model(
@@ -98,3 +100,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise TypeError(f"clip_grad_norm_() needs a model sharded by shard_model(), not a {type(model).__name__}.")
     shards = [p.sharded for p in engine.sharded_params()]
     return _clip_shards(shards, engine.mesh, engine.device, max_norm, norm_type)
+
+
+def prepare_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    """Make ``optimizer``, built on a sharded ``model``'s parameters, update them exactly; return it. An element-wise
+    optimizer (SGD, AdamW) is left as it is; one whose update reads the whole tensor (Muon, Adafactor) runs each
+    tensor's update whole on one rank; one that cannot run exactly, or that nobody declared, raises ``ValueError``
+    saying what to do (see ``lightning_shard.declare_optimizer_update``). The Lightning strategies do this for the
+    optimizers they set up; an optimizer that steps on shards without it is refused unless it is element-wise."""
+    engine = sharded_module_of(model)
+    if engine is None:
+        raise TypeError(f"prepare_optimizer() needs a model sharded by shard_model(), not a {type(model).__name__}.")
+    _prepare_optimizer(optimizer, [engine])
+    return optimizer

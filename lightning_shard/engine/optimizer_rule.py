@@ -20,6 +20,11 @@ So every optimizer is classified before its first step (``OptimizerUpdate``):
 - refused: an optimizer that couples different tensors (LBFGS's line search and curvature pairs are dot
   products over every parameter), or one that needs what sharding does not give (SparseAdam's sparse gradients).
 
+Every optimizer is checked once more before its first step, whatever set it up (a global step pre-hook, installed
+when a model is sharded): one that holds sharded parameters and was not prepared by a front end (or by
+``lightning_shard.engine.prepare_optimizer`` with the engine alone) is refused there if it is not element-wise, so
+that no path runs a whole-tensor update on rows.
+
 ``torch.optim``'s optimizers are classified here. An optimizer from elsewhere (the user's own, Lion, LAMB, SOAP,
 Shampoo) is refused until the user declares its update with ``declare_optimizer_update``: we cannot tell from the
 outside whether a step reads one element or the whole tensor, and guessing wrong would train silently wrong. A
@@ -29,9 +34,13 @@ subclass of a known optimizer that does not override ``step`` updates as its par
 from __future__ import annotations
 
 import enum
+import weakref
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
+
+from lightning_shard.engine.param_shard import is_shard
 
 
 class OptimizerUpdate(enum.Enum):
@@ -104,3 +113,40 @@ def _parse(update: OptimizerUpdate | str) -> OptimizerUpdate:
     except ValueError:
         valid = ", ".join(repr(u.value) for u in OptimizerUpdate)
         raise ValueError(f"Unknown optimizer update {update!r}; expected one of {valid}.") from None
+
+
+# Optimizers classified for the shards they hold (and, if per-tensor, made to run each tensor whole).
+_PREPARED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+_GUARDING = False
+
+
+def mark_prepared(optimizer: Optimizer) -> None:
+    """``optimizer`` may step on shards: it is element-wise, or its step runs each tensor whole."""
+    _PREPARED.add(optimizer)
+
+
+def guard_optimizer_steps() -> None:
+    """Check every optimizer before its steps (once per process; see [Note: what an optimizer may see of a sharded
+    parameter])."""
+    global _GUARDING
+    if not _GUARDING:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_check_before_step)
+        _GUARDING = True
+
+
+def _check_before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _PREPARED:
+        return
+    if not any(is_shard(q) for group in optimizer.param_groups for q in group["params"]):
+        return  # nothing sharded (yet: a group may be added later, so this is not remembered)
+    if optimizer_update(optimizer) is OptimizerUpdate.ELEMENTWISE:
+        _PREPARED.add(optimizer)
+        return
+    raise ValueError(
+        f"{type(optimizer).__name__} updates each parameter from the whole tensor and holds sharded parameters, but"
+        " it was not set up for them, so it would see this rank's rows only. Pass it through the strategy"
+        " (return it from configure_optimizers, or fabric.setup_optimizers(optimizer)), or with the engine alone"
+        " call lightning_shard.engine.prepare_optimizer(optimizer, model) before its first step."
+    )

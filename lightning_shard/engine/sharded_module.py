@@ -96,6 +96,7 @@ from lightning_shard.engine.mixed_precision import (
     cast_normalization_inputs,
     parse_dtype,
 )
+from lightning_shard.engine.optimizer_rule import guard_optimizer_steps
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units, without_reset_parameters
 from lightning_shard.engine.policies import ParamInit, ShardingStrategy, WrapPolicy
@@ -143,6 +144,7 @@ class ShardedModule:
             unit.on_gradient_computed = self._finish_other_reduction
         setattr(root, _ENGINE_ATTR, self)
         torch_norms.watch(self)  # see [Note: torch's gradient norms on sharded parameters]
+        guard_optimizer_steps()  # see [Note: what an optimizer may see of a sharded parameter]
         for module in root.modules():  # see [Note: Hugging Face's generate() in step]
             if callable(getattr(module, "generate", None)):
                 module._is_fsdp_managed_module = True  # type: ignore[assignment]

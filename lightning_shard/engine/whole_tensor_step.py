@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.engine import collectives
-from lightning_shard.engine.optimizer_rule import OptimizerUpdate, optimizer_update
+from lightning_shard.engine.optimizer_rule import OptimizerUpdate, mark_prepared, optimizer_update
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule
 
@@ -56,6 +56,7 @@ def prepare_optimizer(optimizer: Optimizer, engines: list[ShardedModule]) -> Non
     per-tensor one run each tensor whole (see [Note: what an optimizer may see of a sharded parameter])."""
     if optimizer_update(optimizer) is OptimizerUpdate.PER_TENSOR:
         run_each_tensor_whole(optimizer, engines)
+    mark_prepared(optimizer)
 
 
 def run_each_tensor_whole(optimizer: Optimizer, engines: list[ShardedModule]) -> None:
