@@ -21,6 +21,7 @@ from lightning_shard.checkpoint.io.index import iter_index_tensors, model_ties
 from lightning_shard.checkpoint.io.reader import read_tensor
 from lightning_shard.checkpoint.io.storage import local_only
 from lightning_shard.checkpoint.load.load import load_trainer_state
+from lightning_shard.engine.transformers_buffers import fill_buffers_transformers_initialises
 
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
 MapLocation = str | torch.device | dict[str, str] | Callable[[Any, str], Any] | None
@@ -57,15 +58,19 @@ def load_from_checkpoint(
     module.configure_model()
     module.on_load_checkpoint(state)  # as Lightning does, before the weights (state has no "state_dict")
     meta = {k for k, t in module.state_dict(keep_vars=True).items() if t.is_meta}
+    unsaved, initialised = _buffers_initialised(module, device)  # the non-persistent meta buffers; those given values
     if meta:
         _to_empty_keeping_ties(module, device)
+        for key, value in initialised.items():  # to_empty emptied them again
+            owner, _, name = key.rpartition(".")
+            module.get_submodule(owner)._buffers[name] = value
     stored = dict(iter_index_tensors(index, weights_prefix(index, weights, directory)))
     ties = model_ties(index)
     available = set(stored) | set(ties)
     own = module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in available]
     unexpected = [k for k in available if k not in own]
-    uninitialised = sorted(k for k in meta if k not in available)
+    uninitialised = sorted([k for k in meta if k not in available] + [k for k in unsaved if k not in initialised])
     if uninitialised:
         raise CheckpointError(
             f"configure_model() left these on the meta device and {directory} does not hold them, so they would"
@@ -90,6 +95,17 @@ def load_from_checkpoint(
             del value
     module.to(device)
     return module.eval()
+
+
+def _buffers_initialised(module: torch.nn.Module, device: torch.device) -> tuple[set[str], dict[str, torch.Tensor]]:
+    """The names of ``module``'s meta buffers that no checkpoint holds (non-persistent: a rotary ``inv_freq``), and
+    every meta buffer that the ``transformers`` model holding it gives values to (on ``device``, by name, each under
+    every name it has), as set-up does (see [Note: buffers transformers initialises])."""
+    was_meta = {k for k, b in module.named_buffers(remove_duplicate=False) if b.is_meta}
+    unsaved = was_meta - module.state_dict(keep_vars=True).keys()
+    fill_buffers_transformers_initialises(module, device)
+    given = {k: b for k, b in module.named_buffers(remove_duplicate=False) if k in was_meta and not b.is_meta}
+    return unsaved, given
 
 
 def _to_empty_keeping_ties(module: torch.nn.Module, device: torch.device) -> None:

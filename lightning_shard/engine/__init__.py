@@ -9,8 +9,11 @@ wrappers refused), ``diagnostics`` (set-up warnings), ``buffers`` (buffers that 
 (the engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clipping``,
 ``activation_checkpointing``, ``compile`` (compiled blocks with the sharding hooks outside the compiled code),
 ``cpu_allocator`` (glibc's malloc reusing the large blocks PyTorch frees every step on CPU),
-``memory`` (what a rank holds), ``estimate`` (what it would hold) and ``full_params`` (``summon_full_params``: the
-full weights in memory for a ``with`` block).
+``memory`` (what a rank holds), ``estimate`` (what it would hold), ``full_params`` (``summon_full_params``: the
+full weights in memory for a ``with`` block), ``transformers_buffers`` (meta buffers of Hugging Face models given
+their values by the model's own initialisation), ``optimizer_rule`` and ``whole_tensor_step`` (which optimizers
+run on shards, which run each tensor whole on one rank) and ``torch_norms`` (torch's gradient norms over whole
+tensors).
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ embedding's ``inv_freq``, a causal mask), so each must get its values from code 
 - a module that owns no parameters but has ``reset_parameters()`` gets storage for its meta buffers on the
   device, then that method runs once, before any unit is materialised (``initialize_parameterless_buffers``).
   It runs under ``param_init="empty"`` as well: that setting spares the initialisation of parameters that a
-  load will overwrite, and such a module has none.
+  load will overwrite, and such a module has none;
+- first of all, a buffer inside a Hugging Face ``transformers`` model that the model's own ``_init_weights``
+  sets entirely (rotary ``inv_freq``, Gemma's ``embed_scale``, a causal mask) gets those values, under either
+  ``param_init`` (see [Note: buffers transformers initialises] in transformers_buffers.py).
 
 Any other meta buffer would never hold values: set-up refuses the model before anything is sharded, naming
 each such buffer (``check_meta_buffers``).
@@ -29,11 +32,15 @@ from torch.distributed import ProcessGroup
 from lightning_shard.engine import collectives
 from lightning_shard.engine.planning import initializer
 from lightning_shard.engine.policies import ParamInit
+from lightning_shard.engine.transformers_buffers import fill_buffers_transformers_initialises
 
 
 def check_meta_buffers(root: nn.Module, param_init: ParamInit) -> list[tuple[str, nn.Module]]:
-    """The modules owning no parameters (with their names) whose ``reset_parameters()`` fills their meta buffers.
-    Raise ``TypeError`` naming every meta buffer that nothing would fill (see [Note: meta-device buffers])."""
+    """Give the meta buffers that ``transformers``' own initialisation sets their values; then return the modules
+    owning no parameters (with their names) whose ``reset_parameters()`` fills their meta buffers. Raise
+    ``TypeError`` naming every meta buffer that nothing would fill (see [Note: meta-device buffers])."""
+    # On CPU, where the model computes them when built there; materialize_and_sync_buffers moves them to the device.
+    left_by_transformers = fill_buffers_transformers_initialises(root, torch.device("cpu"))
     to_reset: list[tuple[str, nn.Module]] = []
     unfilled: list[str] = []
     for module_name, module in root.named_modules():
@@ -41,6 +48,8 @@ def check_meta_buffers(root: nn.Module, param_init: ParamInit) -> list[tuple[str
         if not meta:
             continue
         why = _why_unfilled(module, param_init)
+        if why is not None and id(module) in left_by_transformers:
+            why += f"; {left_by_transformers[id(module)]}"
         if why is None:
             if not any(p is not None for p in module._parameters.values()):
                 to_reset.append((module_name, module))
