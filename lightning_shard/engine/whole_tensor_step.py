@@ -85,6 +85,9 @@ def run_each_tensor_whole(optimizer: Optimizer, engines: list[ShardedModule]) ->
 
 
 class _WholeTensorStep:
+    """The step ``run_each_tensor_whole`` installs: the closure, the gather to the owners, the optimizer's own step,
+    the rows sent back (see the module docstring)."""
+
     def __init__(self, optimizer: Optimizer, engines: list[ShardedModule], step: Callable[..., Any]) -> None:
         self.optimizer = optimizer
         self.engines = engines
