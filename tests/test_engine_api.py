@@ -275,3 +275,40 @@ def test_load_state_dict_takes_full_tensors_and_its_own_shards() -> None:
         torch.testing.assert_close(run["output"], run["expected_output"])
         torch.testing.assert_close(run["own_output"], run["expected_output"])
         assert "between a forward and its backward" in run["between"]
+
+
+def save_with_state_in_another_order(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    """One AdamW step, then a save on a rank whose optimizer lists its state in reverse order (state created in
+    another order than on the other ranks: an optimizer whose step skips parameters on some ranks)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batch(rank)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+    saved = module_full_state(model, [optimizer])["optimizer"]
+    if rank == 1:
+        reversed_state = list(optimizer.state.items())[::-1]
+        optimizer.state.clear()
+        optimizer.state.update(reversed_state)
+    save_checkpoint(path, model, [optimizer], {})
+    return saved
+
+
+def load_optimizer_state(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    model = TinyGPT()
+    shard_model(model, auto_wrap_policy={GPTBlock})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_checkpoint(path, model, [optimizer])
+    return module_full_state(model, [optimizer])["optimizer"]
+
+
+def test_optimizer_state_listed_in_another_order_on_one_rank_saves_and_loads_exactly(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(save_with_state_in_another_order, 2, path)[0]
+    for loaded in run_on_ranks(load_optimizer_state, 2, path):
+        assert loaded.keys() == saved.keys()
+        for name, t in saved.items():
+            torch.testing.assert_close(loaded[name], t, rtol=0, atol=0, msg=name)

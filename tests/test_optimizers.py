@@ -105,13 +105,14 @@ def test_what_cannot_run_exactly_is_refused_before_the_first_step(kind: str, wor
     assert all(error is not None and words in error for error in errors), errors
 
 
-def test_muon_resumes_at_another_world_size(tmp_path) -> None:
+@pytest.mark.parametrize(("optimizers", "world_size"), [("muon", 4), ("adafactor", 3)])
+def test_whole_tensor_optimizers_resume_at_another_world_size(tmp_path, optimizers: str, world_size: int) -> None:
     path = str(tmp_path / "ckpt")
-    first = OptimizerRun(optimizers="muon", steps=2, save_to=path)
+    first = OptimizerRun(optimizers=optimizers, steps=2, save_to=path)
     run_on_ranks(sharded, 2, first)
-    resumed = OptimizerRun(optimizers="muon", steps=2, first_step=2, resume_from=path)
-    reference = one_process(OptimizerRun(optimizers="muon", steps=4))
-    for result in run_on_ranks(sharded, 4, resumed):
+    resumed = OptimizerRun(optimizers=optimizers, steps=2, first_step=2, resume_from=path)
+    reference = one_process(OptimizerRun(optimizers=optimizers, steps=4))
+    for result in run_on_ranks(sharded, world_size, resumed):
         assert_same_params(result["params"], reference["params"])
 
 

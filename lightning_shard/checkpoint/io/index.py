@@ -218,13 +218,12 @@ def _check_optimizers(path: Path | MemberURL, optimizers: Any) -> None:
                 f"optimizer {i} needs 'param_groups' (each with a 'params' list of names and an 'options' object)"
                 " and 'values' objects",
             )
-        row_states = optimizer.get("scalar_param_states", {})
-        if not (isinstance(row_states, dict) and all(
-            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in row_states.values()
-        )):
-            raise _damaged(
-                path, f"optimizer {i}'s 'scalar_param_states' must map parameter names to lists of state names"
-            )
+        for entry in ("scalar_param_states", "whole_param_states"):
+            states = optimizer.get(entry, {})
+            if not (isinstance(states, dict) and all(
+                isinstance(v, list) and all(isinstance(n, str) for n in v) for v in states.values()
+            )):
+                raise _damaged(path, f"optimizer {i}'s {entry!r} must map parameter names to lists of state names")
 
 
 def _shape_and_dtype(path: Path | MemberURL, key: str, entry: Any) -> tuple[tuple[int, ...], torch.dtype]:

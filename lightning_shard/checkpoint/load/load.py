@@ -325,14 +325,18 @@ def _optimizer_state(
     sharded = {p.fqn: p for p in engine.sharded_params()}
     entries = [(key, entry) for key, entry in iter_index_tensors(index, f"{OPTIMIZER_PREFIX}{i}/")
                if key.rsplit("/", 1)[0] in position]  # strict=False: the model may no longer have a parameter
-    _check_optimizer_shapes(i, entries, sharded)  # before anything is allocated or read
+    whole_states = meta.get("whole_param_states", {})  # see docs/checkpoint_format.md; checked by read_index
+    whole = {f"{fqn}/{name}" for fqn, names in whole_states.items() for name in names}
+    _check_optimizer_shapes(i, [(k, e) for k, e in entries if k not in whole], sharded)  # before anything is read
     require_complete(directory, dict(entries))
     row_states = meta.get("scalar_param_states", {})  # see docs/checkpoint_format.md; checked by read_index
-    for key, entry in entries:  # each read into a tensor shaped as the model's rows (or 0-dim): nothing else
+    for key, entry in entries:  # each read into a tensor shaped as the model's rows, as saved whole, or 0-dim
         fqn, name = key.rsplit("/", 1)
         p = sharded[fqn]
         slot = state.setdefault(position[fqn], {})  # load_state_dict() moves each tensor as the optimizer wants
-        if entry.shape or (not p.global_shape and name in row_states.get(fqn, ())):
+        if key in whole:  # every rank held it whole (Adafactor's row and column statistics): so does each again
+            pending.append(_Pending(slot, name, reads.add(entry, 0, entry.rows), entry.shape))
+        elif entry.shape or (not p.global_shape and name in row_states.get(fqn, ())):
             start, stop, columns = p.rows_in_full()
             read = reads.add(entry, start, stop, columns=columns)
             pending.append(_Pending(slot, name, read, tuple(p.sharded.shape)))
@@ -359,7 +363,8 @@ def _decoded(value: Any, what: str, directory: Location) -> Any:
 
 
 def _check_optimizer_shapes(i: int, entries: list[tuple[str, StoredTensor]], sharded: dict[str, Any]) -> None:
-    """Per-parameter optimizer state is either a scalar (e.g. Adam's step) or shaped like its parameter."""
+    """Per-parameter optimizer state that the index does not list as whole is either a scalar (e.g. Adam's step) or
+    shaped like its parameter."""
     problems = []
     for key, entry in entries:
         p = sharded[key.rsplit("/", 1)[0]]

@@ -56,8 +56,9 @@ def merge_stage_fields(first: dict[str, Any], later: dict[str, Any]) -> dict[str
         groups = [{**ga, "params": ga["params"] + [n for n in gb["params"] if n not in seen]}
                   for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True)]  # fmt: skip
         optimizer = {**a, "param_groups": groups, "values": {**b["values"], **a["values"]}}
-        if "scalar_param_states" in a or "scalar_param_states" in b:
-            optimizer["scalar_param_states"] = {**b.get("scalar_param_states", {}), **a.get("scalar_param_states", {})}
+        for entry in ("scalar_param_states", "whole_param_states"):
+            if entry in a or entry in b:
+                optimizer[entry] = {**b.get(entry, {}), **a.get(entry, {})}
         optimizers.append(optimizer)
     merged["optimizers"] = optimizers
     return merged

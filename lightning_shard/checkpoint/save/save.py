@@ -410,8 +410,9 @@ def _optimizer_plan(
     prefix = f"{OPTIMIZER_PREFIX}{i}/"
     tensors = [t for t in tensors if t[0].removeprefix(prefix).rsplit("/", 1)[0] in kept]
     meta["values"] = {fqn: v for fqn, v in meta["values"].items() if fqn in kept}
-    if "scalar_param_states" in meta:
-        meta["scalar_param_states"] = {fqn: v for fqn, v in meta["scalar_param_states"].items() if fqn in kept}
+    for entry in ("scalar_param_states", "whole_param_states"):
+        if entry in meta:
+            meta[entry] = {fqn: v for fqn, v in meta[entry].items() if fqn in kept}
     return meta, [(name, by_shard[pid] if pid is not None else None, value) for name, pid, value in tensors]
 
 
@@ -440,21 +441,28 @@ def optimizer_plan(
         groups.append({"params": [names[j] for j in group["params"]], "options": options})
     values: dict[str, dict[str, Any]] = {}
     row_states: dict[str, list[str]] = {}  # 0-dim parameters' states split by rows like them (see the format doc)
+    whole_states: dict[str, list[str]] = {}  # states of another shape (Adafactor's row and column statistics)
     tensors: list[Any] = []
-    for j, param_state in state["state"].items():
+    # In parameter and key order, not in the order the optimizer created its state, which may differ between ranks:
+    # each rank's pieces are written and gathered in this order.
+    for j, param_state in sorted(state["state"].items()):
         fqn, local_shape, global_shape = params[id(held[j])]
-        for key, value in param_state.items():
+        for key, value in sorted(param_state.items()):
             name = f"{OPTIMIZER_PREFIX}{i}/{fqn}/{key}"
             if isinstance(value, Tensor):
                 sharded = value.dim() > 0 and value.shape == local_shape
                 tensors.append((name, id(held[j]) if sharded else None, value))
                 if sharded and not global_shape:
                     row_states.setdefault(fqn, []).append(key)
+                elif not sharded and value.dim() > 0:  # the same on every rank, stored once
+                    whole_states.setdefault(fqn, []).append(key)
             else:
                 values.setdefault(fqn, {})[key] = to_json_tree(value, {}, name)
     meta: dict[str, Any] = {"param_groups": groups, "values": values}
     if row_states:
         meta["scalar_param_states"] = row_states
+    if whole_states:
+        meta["whole_param_states"] = whole_states
     return meta, tensors
 
 

@@ -150,7 +150,7 @@ def _full_optimizer_state_dict(
     for name, param_state in state.items():
         p = params[name]
         values: dict[str, Any] = {}
-        for key, value in param_state.items():
+        for key, value in sorted(param_state.items()):  # the same order on every rank: each gather is collective
             if _is_per_row(p, value):
                 full = _gather_to_cpu(engine, p, value.detach(), units[id(p)])
                 if holds:
@@ -202,7 +202,7 @@ def _sharded_optimizer_state_dict(
         p = params[name]
         sharded[name] = {
             key: _as_dtensor(engine, device_mesh, p, value.detach(), units[id(p)]) if _is_per_row(p, value) else value
-            for key, value in param_state.items()
+            for key, value in sorted(param_state.items())
         }
     return {"state": sharded, "param_groups": groups}
 
