@@ -47,10 +47,10 @@ from lightning_shard.checkpoint.io.files import CheckpointFiles
 from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_index, encode_index
 from lightning_shard.checkpoint.io.layout import shard_rows, splits_by_rows, whole_owners
 from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
+from lightning_shard.checkpoint.save.optimizer_entries import optimizer_plan
 from lightning_shard.checkpoint.save.save import (
     StateDictType,
     index_head,
-    optimizer_plan,
     saved_tensors,
     write_shard_file,
     write_trainer_state,

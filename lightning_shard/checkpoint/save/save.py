@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -38,7 +37,6 @@ from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MODEL_PREFIX,
-    OPTIMIZER_PREFIX,
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
@@ -81,6 +79,7 @@ from lightning_shard.checkpoint.save.index_entries import (
     stage_tensors_from_json,
     stage_tensors_to_json,
 )
+from lightning_shard.checkpoint.save.optimizer_entries import optimizer_entries
 from lightning_shard.checkpoint.save.tensor_parallel import tensor_parallel_piece
 from lightning_shard.checkpoint.save.whole import Held, Local, Rows, exchange_rows, shard_file_tensors
 from lightning_shard.engine.parallel.pipeline import StageSplit
@@ -302,7 +301,7 @@ class _Plan:
         if pipeline is not None:  # a weight tied across stages is written by its first stage
             self.params = [(k, p) for k, p in self.params if id(p.sharded) not in pipeline.held_earlier]
         kept_names = {f for _, p in self.params for f in p.fqns}
-        self.optimizers = [_optimizer_plan(engine, opt, i, kept_names) for i, opt in enumerate(optimizers)]
+        self.optimizers = [optimizer_entries(engine, opt, i, kept_names) for i, opt in enumerate(optimizers)]
         self.averaged = _averaged_plan(averaged, self.params, self.buffers)
         self.adapters = peft_adapters(module)  # see [Note: adapters recorded at save time]
         self.pipeline_split: tuple[str, StageSplit] | None = getattr(module, "_pipeline_split", None)
@@ -397,73 +396,6 @@ def index_head(
         "ties": {MODEL_PREFIX + k: MODEL_PREFIX + v for k, v in ties.items()},
         "optimizers": optimizers,
     }
-
-
-def _optimizer_plan(
-    engine: ShardedModule, optimizer: Optimizer, i: int, kept: set[str]
-) -> tuple[dict[str, Any], list[Any]]:
-    """JSON metadata of optimizer ``i`` and its tensors as (key, ShardedParam or None, tensor), holding the state of
-    the parameters named in ``kept`` only (see [Note: weights a checkpoint leaves out])."""
-    by_shard = {id(p.sharded): p for p in engine.sharded_params()}
-    shapes = {k: (p.fqn, p.sharded.shape, p.global_shape) for k, p in by_shard.items()}
-    meta, tensors = optimizer_plan(optimizer, i, shapes)
-    prefix = f"{OPTIMIZER_PREFIX}{i}/"
-    tensors = [t for t in tensors if t[0].removeprefix(prefix).rsplit("/", 1)[0] in kept]
-    meta["values"] = {fqn: v for fqn, v in meta["values"].items() if fqn in kept}
-    for entry in ("scalar_param_states", "whole_param_states"):
-        if entry in meta:
-            meta[entry] = {fqn: v for fqn, v in meta[entry].items() if fqn in kept}
-    return meta, [(name, by_shard[pid] if pid is not None else None, value) for name, pid, value in tensors]
-
-
-def optimizer_plan(
-    optimizer: Optimizer, i: int, params: dict[int, tuple[str, torch.Size, torch.Size]]
-) -> tuple[dict[str, Any], list[tuple[str, int | None, Tensor]]]:
-    """JSON metadata of optimizer ``i`` and its tensors as (key, id of the parameter whose rows it is split like, or
-    ``None`` for scalar state, tensor). ``params``: id of each parameter the optimizer may hold -> (name, the shape
-    this rank holds, the global shape)."""
-    state = optimizer.state_dict()
-    held = [q for group in optimizer.param_groups for q in group["params"]]
-    missing = [j for j, q in enumerate(held) if id(q) not in params]
-    if missing:
-        raise CheckpointError(f"Optimizer {i} holds tensors that are not parameters of the sharded model: {missing}.")
-    names = [params[id(q)][0] for q in held]
-    groups = []
-    for group in state["param_groups"]:
-        g = {k: v for k, v in group.items() if k != "params"}
-        option_tensors: dict[str, Tensor] = {}
-        options = to_json_tree(g, option_tensors, f"optimizer {i}")
-        if option_tensors:
-            raise CheckpointError(
-                f"Optimizer {i} has tensor-valued options ({', '.join(sorted(option_tensors))}): a checkpoint stores"
-                f" options as plain values. Pass them as Python numbers (e.g. lr=1e-3, not lr=torch.tensor(1e-3))."
-            )
-        groups.append({"params": [names[j] for j in group["params"]], "options": options})
-    values: dict[str, dict[str, Any]] = {}
-    row_states: dict[str, list[str]] = {}  # 0-dim parameters' states split by rows like them (see the format doc)
-    whole_states: dict[str, list[str]] = {}  # states of another shape (Adafactor's row and column statistics)
-    tensors: list[Any] = []
-    # In parameter and key order, not in the order the optimizer created its state, which may differ between ranks:
-    # each rank's pieces are written and gathered in this order.
-    for j, param_state in sorted(state["state"].items()):
-        fqn, local_shape, global_shape = params[id(held[j])]
-        for key, value in sorted(param_state.items()):
-            name = f"{OPTIMIZER_PREFIX}{i}/{fqn}/{key}"
-            if isinstance(value, Tensor):
-                sharded = value.dim() > 0 and value.shape == local_shape
-                tensors.append((name, id(held[j]) if sharded else None, value))
-                if sharded and not global_shape:
-                    row_states.setdefault(fqn, []).append(key)
-                elif not sharded and value.dim() > 0:  # the same on every rank, stored once
-                    whole_states.setdefault(fqn, []).append(key)
-            else:
-                values.setdefault(fqn, {})[key] = to_json_tree(value, {}, name)
-    meta: dict[str, Any] = {"param_groups": groups, "values": values}
-    if row_states:
-        meta["scalar_param_states"] = row_states
-    if whole_states:
-        meta["whole_param_states"] = whole_states
-    return meta, tensors
 
 
 class _ShardedWriter(_Plan):
