@@ -57,7 +57,8 @@ def test_a_float64_model_is_clipped_by_its_norm_in_float64() -> None:
     run_on_ranks(step_against_ddp, 2, torch.float64)  # float64's default tolerances: a float32 norm fails them
 
 
-def train_and_save(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+def _one_adamw_step(rank: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
+    """A sharded TinyGPT (seed 0) after one AdamW step on this rank's batch."""
     torch.manual_seed(0)
     model = TinyGPT()
     shard_model(model, auto_wrap_policy={GPTBlock})
@@ -65,6 +66,11 @@ def train_and_save(rank: int, world_size: int, path: str) -> dict[str, torch.Ten
     x, y = _batch(rank)
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     optimizer.step()
+    return model, optimizer
+
+
+def train_and_save(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    model, optimizer = _one_adamw_step(rank)
     save_checkpoint(path, model, [optimizer], {"step": 1, "note": "after one step"})
     return module_full_state(model, [])["params"]
 
@@ -280,13 +286,7 @@ def test_load_state_dict_takes_full_tensors_and_its_own_shards() -> None:
 def save_with_state_in_another_order(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
     """One AdamW step, then a save on a rank whose optimizer lists its state in reverse order (state created in
     another order than on the other ranks: an optimizer whose step skips parameters on some ranks)."""
-    torch.manual_seed(0)
-    model = TinyGPT()
-    shard_model(model, auto_wrap_policy={GPTBlock})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x, y = _batch(rank)
-    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    optimizer.step()
+    model, optimizer = _one_adamw_step(rank)
     saved = module_full_state(model, [optimizer])["optimizer"]
     if rank == 1:
         reversed_state = list(optimizer.state.items())[::-1]
