@@ -117,12 +117,20 @@ def test_whole_tensor_optimizers_resume_at_another_world_size(tmp_path, optimize
 
 
 @pytest.mark.launch
-def test_muon_and_the_users_clip_in_a_launched_trainer_equal_one_process(tmp_path) -> None:
-    """Manual optimization as plain-PyTorch users write it, in fresh processes that Lightning's launcher starts."""
-    script = Path(__file__).parent / "scripts" / "optimizer_fit.py"
-    done = subprocess.run([sys.executable, str(script), "--devices", "2", "--root", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600,
-                          env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))  # fmt: skip
+@pytest.mark.parametrize("front", ["trainer", "fabric"])
+def test_muon_and_the_users_clip_in_a_launched_job_equal_one_process(tmp_path, front: str) -> None:
+    """As plain-PyTorch users write it, in fresh processes: the Trainer (manual optimization) started by Lightning's
+    launcher, a Fabric loop started by torchrun."""
+    script = [str(Path(__file__).parent / "scripts" / "optimizer_fit.py"), "--front", front, "--devices", "2",
+              "--root", str(tmp_path)]  # fmt: skip
+    port = str(free_port())
+    if front == "fabric":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                   "127.0.0.1", "--master-port", port, *script]  # fmt: skip
+        env = job_env()
+    else:
+        command, env = [sys.executable, *script], job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-6000:]
     reference = one_process(OptimizerRun(optimizers="muon", clip=0.05))
     for rank in range(2):
