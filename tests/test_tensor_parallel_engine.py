@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 import lightning_shard
 from lightning_shard.common.options import ShardOptions
-from lightning_shard.engine import clip_grad_norm_, shard_model, summon_full_params
+from lightning_shard.engine import clip_grad_norm_, prepare_optimizer, shard_model, summon_full_params
 from lightning_shard.testing import run_on_ranks
 
 TP = 2
@@ -59,14 +59,15 @@ def steps_against_the_whole_model(rank: int, world_size: int, options: dict[str,
     _parallelize(model)
     checkpointed = options.pop("checkpoint", False)
     accumulate = options.pop("accumulate", 1)
+    optimizer_class = getattr(torch.optim, options.pop("optimizer", "AdamW"))
     if checkpointed:
         from torch.utils.checkpoint import checkpoint
 
         for block in model.blocks:
             block.forward = lambda x, f=block.forward: checkpoint(f, x, use_reentrant=False)  # type: ignore[method-assign]
     shard_model(model, auto_wrap_policy={Block}, tensor_parallel_size=TP, device="cpu", **options)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    optimizer = prepare_optimizer(optimizer_class(model.parameters(), lr=0.05), model)
+    ref_optimizer = optimizer_class(reference.parameters(), lr=0.05)
     data_parallel, dp_rank = world_size // TP, rank // TP
     g = torch.Generator().manual_seed(1)
     norms, ref_norms = [], []
@@ -95,8 +96,9 @@ def steps_against_the_whole_model(rank: int, world_size: int, options: dict[str,
 @pytest.mark.parametrize(
     ("world_size", "options"),
     [(4, {}), (4, {"checkpoint": True}), (4, {"accumulate": 2}),
-     (4, {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1)}), (2, {})],
-    ids=["full-shard", "activation-checkpointing", "accumulation", "hybrid", "one-data-parallel-rank"],
+     (4, {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1)}), (2, {}), (4, {"optimizer": "Adafactor"})],
+    ids=["full-shard", "activation-checkpointing", "accumulation", "hybrid", "one-data-parallel-rank",
+         "adafactor-whole-tensors"],
 )  # fmt: skip
 def test_steps_clipping_and_full_params_equal_the_whole_model(world_size: int, options: dict[str, Any]) -> None:
     """Each rank's part of every DTensor parameter is sharded over the data-parallel ranks: the global norm counts

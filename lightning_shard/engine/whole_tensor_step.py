@@ -18,6 +18,7 @@ schedulers are untouched.
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,20 +61,9 @@ def prepare_optimizer(optimizer: Optimizer, engines: list[ShardedModule]) -> Non
 
 
 def run_each_tensor_whole(optimizer: Optimizer, engines: list[ShardedModule]) -> None:
-    """Make ``optimizer.step`` run each parameter's update whole on one rank (see the module docstring). Refused
-    under tensor parallelism, where a parameter's rows are rows of one tensor-parallel part."""
+    """Make ``optimizer.step`` run each parameter's update whole on one rank (see the module docstring)."""
     if getattr(optimizer.step, "_lightning_shard_whole_tensor", False):
         return
-    by_face = {id(p.sharded): p for engine in engines for p in engine.sharded_params()}
-    held = [by_face[id(q)] for group in optimizer.param_groups for q in group["params"] if id(q) in by_face]
-    split = [p.fqn for p in held if p.tensor_parallel is not None]
-    if split:
-        raise ValueError(
-            f"{type(optimizer).__name__} updates each parameter from the whole tensor, and under tensor parallelism"
-            f" {split[0]} is split across the tensor-parallel ranks as well: this is not supported yet. Use"
-            " tensor_parallel_size=1 with this optimizer, or an element-wise optimizer (AdamW) under tensor"
-            " parallelism."
-        )
     runner = _WholeTensorStep(optimizer, engines, optimizer.step)
 
     def step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
@@ -92,6 +82,9 @@ class _WholeTensorStep:
         self.optimizer = optimizer
         self.engines = engines
         self._step = step  # the optimizer's step as it was (a learning-rate scheduler may have wrapped it)
+        # Each parameter's state entries split by rows, as its owner told every rank at the last step (by id of the
+        # parameter): the same on every rank, where a shape test would not be (see ``_row_keys``).
+        self.row_keys: dict[int, list[str]] = {}
 
     def step(self, closure: Callable[[], Any] | None) -> Any:
         loss = None
@@ -100,12 +93,12 @@ class _WholeTensorStep:
                 loss = closure()
         plans = [(engine, plan) for engine in self.engines if (plan := self._plan(engine))]
         with torch.no_grad():
-            swapped = [_gather_to_owners(engine, plan, self.optimizer.state) for engine, plan in plans]
+            swapped = [_gather_to_owners(engine, plan, self.optimizer.state, self.row_keys) for engine, plan in plans]
             try:
                 self._step()
             finally:
                 for (engine, plan), held in zip(plans, swapped):
-                    _scatter_from_owners(engine, plan, self.optimizer.state, held)
+                    _scatter_from_owners(engine, plan, self.optimizer.state, held, self.row_keys)
                 _in_parameter_order(self.optimizer)
         return loss
 
@@ -116,7 +109,9 @@ class _WholeTensorStep:
             return []
         by_face = {id(p.sharded): p for p in engine.sharded_params()}
         held = [q for group in self.optimizer.param_groups for q in group["params"] if id(q) in by_face]
-        owners = assign_owners([by_face[id(q)].numel for q in held], engine.mesh.shard_size)
+        # By the whole tensor's size, the same in every tensor-parallel column: see [Note: whole tensors under
+        # tensor parallelism].
+        owners = assign_owners([math.prod(by_face[id(q)].full_shape) for q in held], engine.mesh.shard_size)
         return [_Owned(q, by_face[id(q)], owner) for q, owner in zip(held, owners)]
 
 
@@ -147,8 +142,13 @@ def assign_owners(sizes: list[int], ranks: int) -> list[int]:
 # Gather #
 
 
-def _row_keys(state: dict[str, Any], face: Tensor) -> list[str]:
-    """The state entries split by rows like the parameter (the checkpoint's rule: the shard's own shape)."""
+def _row_keys(state: dict[str, Any], face: Tensor, told: dict[int, list[str]]) -> list[str]:
+    """The state entries split by rows like the parameter: as the owner told every rank at the last step, else (state
+    loaded into a new process) by the checkpoint's rule, the shard's own shape. The rule alone could differ between
+    ranks where a whole entry's shape equals one rank's rows (Adafactor's (1, C) column statistics on a rank holding
+    one row)."""
+    if id(face) in told and set(told[id(face)]) <= set(state):
+        return told[id(face)]
     return sorted(k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.shape == face.shape)
 
 
@@ -158,7 +158,9 @@ def _pieces(p: ShardedParam, whole: Tensor) -> list[Tensor]:
     return [rows[first : first + n] for first, n in map(p.rows_held_by, range(p.shard_size))]
 
 
-def _gather_to_owners(engine: ShardedModule, plan: list[_Owned], states: dict[Any, Any]) -> dict[int, _Swapped]:
+def _gather_to_owners(
+    engine: ShardedModule, plan: list[_Owned], states: dict[Any, Any], told: dict[int, list[str]]
+) -> dict[int, _Swapped]:
     """Steps 2 and 3 of the module docstring: the owners' tensors become whole, the others' gradients ``None``."""
     group = engine.mesh.shard_group
     assert group is not None
@@ -169,7 +171,7 @@ def _gather_to_owners(engine: ShardedModule, plan: list[_Owned], states: dict[An
     for entry in plan:
         face, p = entry.face, entry.param
         state = states.get(face, {})
-        keys = _row_keys(state, face)
+        keys = _row_keys(state, face, told)
         # In this order on every rank: the gradient (where there is one: the same ranks-wide), the rows, the state.
         mine = ([face.grad] if face.grad is not None else []) + [face.data] + [state[k] for k in keys]
         if entry.owner != rank:
@@ -190,7 +192,7 @@ def _gather_to_owners(engine: ShardedModule, plan: list[_Owned], states: dict[An
             entry.face.grad = None  # the optimizer skips it here: its owner updates it
     for entry, keys, wholes in assembled:
         face = entry.face
-        wholes = [w.to(face.device) for w in wholes]
+        wholes = [_joined(entry.param, w).to(face.device) for w in wholes]
         grad = wholes.pop(0) if face.grad is not None else None
         face.data = wholes[0]
         face.grad = grad
@@ -204,13 +206,16 @@ def _gather_to_owners(engine: ShardedModule, plan: list[_Owned], states: dict[An
 
 
 def _scatter_from_owners(
-    engine: ShardedModule, plan: list[_Owned], states: dict[Any, Any], swapped: dict[int, _Swapped]
+    engine: ShardedModule, plan: list[_Owned], states: dict[Any, Any], swapped: dict[int, _Swapped],
+    told: dict[int, list[str]],
 ) -> None:
     """Step 4 of the module docstring: every rank gets its rows of the updated parameter and state back."""
     group = engine.mesh.shard_group
     assert group is not None
     rank, size, device = group.rank(), group.size(), engine.device
     layouts = _state_layouts(plan, states, rank, group)
+    for entry, layout in zip(plan, layouts):
+        told[id(entry.face)] = sorted(key for key, kind, *_ in layout if kind == "rows")
     outgoing: list[list[Tensor]] = [[] for _ in range(size)]
     incoming: list[list[Tensor]] = [[] for _ in range(size)]
     finish: list[Callable[[], None]] = []
@@ -219,8 +224,8 @@ def _scatter_from_owners(
         layout = layouts[i]
         if entry.owner == rank:
             whole_param, state = face.data, states[face] if face in states else {}
-            params = _pieces(p, _on(whole_param, device))
-            rows = {k: _pieces(p, _on(state[k], device)) for k, kind, *_ in layout if kind == "rows"}
+            params = _pieces(p, _on(_part(p, whole_param), device))
+            rows = {k: _pieces(p, _on(_part(p, state[k]), device)) for k, kind, *_ in layout if kind == "rows"}
             whole = {k: _on(state[k], device) for k, kind, *_ in layout if kind == "whole"}
             for q in range(size):
                 if q != rank:
@@ -295,6 +300,32 @@ def _other_finish(
         if not state:  # as on the owner: no entry for a parameter without state
             states.pop(face, None)
     return done
+
+
+# [Note: whole tensors under tensor parallelism]
+# Under tensor parallelism a parameter's rows are rows of this column's tensor-parallel part. The owner first
+# assembles the part from its shard group, then joins the parts over its tensor-parallel group (the plan's
+# ``DTensor.full_tensor()``), runs the update on the whole tensor, and keeps its own part again before sending the
+# rows back. The owner is chosen by the whole tensor's size and the parameter's position, so every rank of a
+# tensor-parallel group owns the same parameters: the joins are collectives of owners only, in the same order.
+
+
+def _joined(p: ShardedParam, part: Tensor) -> Tensor:
+    """``part`` (shaped like this column's tensor-parallel part of ``p``) joined with the other columns' into the
+    whole tensor; ``part`` itself without a split."""
+    layout = p.tensor_parallel
+    if layout is None or layout.shard_dim is None:
+        return part
+    return layout.face(part).full_tensor()
+
+
+def _part(p: ShardedParam, whole: Tensor) -> Tensor:
+    """This column's tensor-parallel part of ``whole`` (``_joined``'s inverse), contiguous."""
+    layout = p.tensor_parallel
+    if layout is None or layout.shard_dim is None:
+        return whole
+    dim = layout.shard_dim
+    return whole.narrow(dim, layout.local_offset[dim], p.global_shape[dim]).contiguous()
 
 
 def _on(tensor: Tensor, device: torch.device) -> Tensor:
