@@ -249,3 +249,35 @@ def engine_alone(rank: int, world_size: int, prepare: bool) -> dict[str, Any] | 
     except ValueError as error:
         return str(error)
     return {"params": module_full_state(model, [])["params"]}
+
+
+def adafactor_small_head(rank: int, world_size: int, path: str, resume: bool) -> dict[str, Tensor]:
+    """Adafactor on ``UnevenMLP`` (a 2-row head: at 2 ranks each holds one row, so its (1, 10) column statistics
+    have a rank's row shape) with the engine alone: 2 steps then a save, or a load then 2 more steps
+    (``world_size == 1``, in this process without a process group: the 4 steps)."""
+    from lightning_shard.checkpoint import load_checkpoint, save_checkpoint
+    from lightning_shard.engine import prepare_optimizer, shard_model
+    from tests.models import UnevenMLP
+
+    torch.manual_seed(0)
+    model = UnevenMLP()
+    data = make_dataset("uneven", n=48)
+    if world_size > 1:
+        shard_model(model, auto_wrap_policy={"MLPBlock"})
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    if world_size > 1:
+        prepare_optimizer(optimizer, model)
+    if resume:
+        load_checkpoint(path, model, [optimizer])
+    steps = range(2, 4) if resume else range(4 if world_size == 1 else 2)
+    for step in steps:
+        local = 12 // world_size
+        x, y = data[step * 12 + rank * local : step * 12 + (rank + 1) * local]
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if world_size > 1 and not resume:
+        save_checkpoint(path, model, [optimizer], {})
+    if world_size == 1:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return module_full_state(model, [])["params"]

@@ -14,6 +14,7 @@ from lightning_shard.testing import run_on_ranks
 from tests.jobs import free_port, job_env
 from tests.optimizer_fits import (
     OptimizerRun,
+    adafactor_small_head,
     engine_alone,
     lightning_grad_norms,
     one_process,
@@ -173,3 +174,13 @@ def test_the_engine_alone_runs_muon_prepared_and_refuses_it_unprepared() -> None
         assert_same_params(result["params"], reference["params"])
     for error in run_on_ranks(engine_alone, 2, False):
         assert isinstance(error, str) and "lightning_shard.engine.prepare_optimizer(optimizer, model)" in error, error
+
+
+def test_whole_state_shaped_like_a_ranks_rows_saves_whole_and_resumes(tmp_path) -> None:
+    """Adafactor's (1, C) column statistics of a 2-row head at 2 ranks look like each rank's one row: the save stores
+    them whole, as the step holds them, and a resume at 3 ranks goes on as one process."""
+    path = str(tmp_path / "ckpt")
+    reference = adafactor_small_head(0, 1, path, False)
+    run_on_ranks(adafactor_small_head, 2, path, False)
+    for result in run_on_ranks(adafactor_small_head, 3, path, True, timeout=120):
+        assert_same_params(result, reference)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from lightning_shard.engine import collectives
 from lightning_shard.engine.optimizer_rule import OptimizerUpdate, mark_prepared, optimizer_update
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule
+
+_RUNNERS: weakref.WeakKeyDictionary[Optimizer, _WholeTensorStep] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -65,6 +68,7 @@ def run_each_tensor_whole(optimizer: Optimizer, engines: list[ShardedModule]) ->
     if getattr(optimizer.step, "_lightning_shard_whole_tensor", False):
         return
     runner = _WholeTensorStep(optimizer, engines, optimizer.step)
+    _RUNNERS[optimizer] = runner
 
     def step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         return runner.step(closure)
@@ -72,6 +76,25 @@ def run_each_tensor_whole(optimizer: Optimizer, engines: list[ShardedModule]) ->
     bound = types.MethodType(step, optimizer)
     bound.__func__._lightning_shard_whole_tensor = True  # type: ignore[attr-defined]
     optimizer.step = bound  # type: ignore[method-assign]
+
+
+def row_state_keys(optimizer: Optimizer) -> dict[int, list[str]] | None:
+    """For an optimizer that runs each tensor whole: each parameter's state entries split by rows (by id of the
+    parameter), the same on every rank, as its last step or load settled them; ``None`` for any other optimizer. A
+    save splits these by rows and stores the others whole, where a shape test could differ between ranks."""
+    runner = _RUNNERS.get(optimizer)
+    return runner.row_keys if runner is not None else None
+
+
+def note_loaded_split(optimizer: Optimizer, whole: dict[int, set[str]]) -> None:
+    """After a load: which state entries of each parameter (by id) the checkpoint stored whole, so that the next
+    step splits the others by rows on every rank alike. Nothing for an optimizer that runs on the shards."""
+    runner = _RUNNERS.get(optimizer)
+    if runner is None:
+        return
+    for param, state in optimizer.state.items():
+        runner.row_keys[id(param)] = sorted(k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0
+                                            and k not in whole.get(id(param), set()))
 
 
 class _WholeTensorStep:

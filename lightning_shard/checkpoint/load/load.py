@@ -41,6 +41,7 @@ from lightning_shard.checkpoint.io.selection import expect_left_out
 from lightning_shard.checkpoint.io.storage import Location, local_only
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
+from lightning_shard.engine.whole_tensor_step import note_loaded_split
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,9 @@ def load_model_and_optimizers(
     reads, results, states = agree(read)  # see [Note: a failed load changes nothing]
     reads.commit(results)
     engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
-    for optimizer, state in zip(optimizers or [], states):
+    for i, (optimizer, state) in enumerate(zip(optimizers or [], states)):
         optimizer.load_state_dict(state)
+        _tell_whole_states(engine, optimizer, index["optimizers"][i])
     return result
 
 
@@ -271,8 +273,17 @@ def load_optimizers(
         _fill(pending, reads.read())
         return states
 
-    for optimizer, state in zip(optimizers, agree(read)):
+    for i, (optimizer, state) in enumerate(zip(optimizers, agree(read))):
         optimizer.load_state_dict(state)
+        _tell_whole_states(engine, optimizer, index["optimizers"][i])
+
+
+def _tell_whole_states(engine: ShardedModule, optimizer: Optimizer, meta: dict[str, Any]) -> None:
+    """Hand the index's ``whole_param_states`` to an optimizer that runs each tensor whole (``note_loaded_split``)."""
+    whole = meta.get("whole_param_states", {})
+    by_shard = {id(p.sharded): p.fqn for p in engine.sharded_params()}
+    held = [q for group in optimizer.param_groups for q in group["params"] if id(q) in by_shard]
+    note_loaded_split(optimizer, {id(q): set(whole.get(by_shard[id(q)], ())) for q in held})
 
 
 def _optimizer_states(

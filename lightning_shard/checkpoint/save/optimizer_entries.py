@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from lightning_shard.checkpoint.format import OPTIMIZER_PREFIX, CheckpointError
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.engine.sharded_module import ShardedModule
+from lightning_shard.engine.whole_tensor_step import row_state_keys
 
 
 def optimizer_entries(
@@ -38,6 +39,7 @@ def optimizer_plan(
     ``None`` for scalar state, tensor). ``params``: id of each parameter the optimizer may hold -> (name, the shape
     this rank holds, the global shape)."""
     state = optimizer.state_dict()
+    told = row_state_keys(optimizer)  # a whole-tensor optimizer's split, the same on every rank
     held = [q for group in optimizer.param_groups for q in group["params"]]
     missing = [j for j, q in enumerate(held) if id(q) not in params]
     if missing:
@@ -66,6 +68,8 @@ def optimizer_plan(
             name = f"{OPTIMIZER_PREFIX}{i}/{fqn}/{key}"
             if isinstance(value, Tensor):
                 sharded = value.dim() > 0 and value.shape == local_shape
+                if told is not None and id(held[j]) in told:
+                    sharded = key in told[id(held[j])]
                 tensors.append((name, id(held[j]) if sharded else None, value))
                 if sharded and not global_shape:
                     row_states.setdefault(fqn, []).append(key)
