@@ -25,23 +25,33 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_shard.engine.clipping import global_grad_norm
+from lightning_shard.engine.mesh import ShardMesh
+from lightning_shard.engine.param_shard import ShardedParam
 
-if TYPE_CHECKING:
-    from lightning_shard.engine.param_shard import ShardedParam
-    from lightning_shard.engine.sharded_module import ShardedModule
 
-_LIVE: weakref.WeakSet[ShardedModule] = weakref.WeakSet()
+class ShardedModel(Protocol):
+    """What the norms read of a sharded model's engine (``sharded_module.ShardedModule``, which registers itself
+    here: this module does not import it)."""
+
+    root: nn.Module
+    mesh: ShardMesh
+    device: torch.device
+
+    def sharded_params(self) -> Iterator[ShardedParam]: ...
+
+
+_LIVE: weakref.WeakSet[ShardedModel] = weakref.WeakSet()
 _TORCH_TOTAL_NORM: Callable[..., Tensor] | None = None  # torch's own function, once routed
 
 
-def watch(engine: ShardedModule) -> None:
+def watch(engine: ShardedModel) -> None:
     """Route torch's gradient norm through ``whole_grad_norm`` (once per process) and let it find ``engine``'s
     gradients."""
     global _TORCH_TOTAL_NORM
@@ -89,9 +99,9 @@ def whole_grad_norm(
     return total.to(listed[0].device)
 
 
-def _sharded_owners(tensors: list[Tensor]) -> list[tuple[ShardedModule, ShardedParam] | None]:
+def _sharded_owners(tensors: list[Tensor]) -> list[tuple[ShardedModel, ShardedParam] | None]:
     """For each tensor: the sharded model and parameter whose gradient it is, or ``None``."""
-    by_grad: dict[int, tuple[ShardedModule, ShardedParam]] = {}
+    by_grad: dict[int, tuple[ShardedModel, ShardedParam]] = {}
     for engine in list(_LIVE):
         for p in engine.sharded_params():
             if p.sharded.grad is not None:
@@ -105,14 +115,11 @@ def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separ
     whole tensor and the total norm, the same on every rank (Lightning's own computes each norm with ``Tensor.norm``
     over this rank's rows). Collective: every rank must call it. The keys are Lightning's:
     ``grad_{norm_type}_norm{group_separator}{name}`` and ``grad_{norm_type}_norm_total``."""
-    from lightning_shard.engine.sharded_module import sharded_module_of
-
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    engine = sharded_module_of(module) or next(
-        (e for e in _LIVE if any(m is e.root for m in module.modules())), None
-    )
+    # The engine whose root is ``module`` or inside it (Fabric's wrapper holds the root as a submodule).
+    engine = next((e for e in list(_LIVE) if any(m is e.root for m in module.modules())), None)
     if engine is None:
         raise ValueError(f"grad_norm() needs a model sharded by ShardStrategy; {type(module).__name__} is not one.")
     by_face = {id(p.sharded): p for p in engine.sharded_params()}
