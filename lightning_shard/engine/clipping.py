@@ -36,23 +36,25 @@ def global_grad_norm(shards: Iterable[Tensor], mesh: ShardMesh, device: torch.de
     if mesh.pipeline is not None:  # a weight tied across stages counts once, on its first stage
         shards = [p for p in shards if id(p) not in mesh.pipeline.held_earlier]
     if not mesh.tensor_parallel_parts:
-        total = _local_norm_term([p.grad for p in shards if p.grad is not None], norm_type, device, dtype)
-        _reduce(total, mesh.shard_group, norm_type)
+        total = local_norm_term([p.grad for p in shards if p.grad is not None], norm_type, device, dtype)
+        reduce_norm_terms(total, mesh.shard_group, norm_type)
     else:  # parts of tensor-parallel parameters, then everything every tensor-parallel rank holds alike
         parts = [p.grad for p in shards if p.grad is not None and id(p) in mesh.tensor_parallel_parts]
         alike = [p.grad for p in shards if p.grad is not None and id(p) not in mesh.tensor_parallel_parts]
-        terms = torch.stack([_local_norm_term(parts, norm_type, device, dtype),
-                             _local_norm_term(alike, norm_type, device, dtype)])
-        _reduce(terms, mesh.shard_group, norm_type)
+        terms = torch.stack([local_norm_term(parts, norm_type, device, dtype),
+                             local_norm_term(alike, norm_type, device, dtype)])
+        reduce_norm_terms(terms, mesh.shard_group, norm_type)
         split = terms[0].clone()
-        _reduce(split, mesh.tensor_parallel_group, norm_type)
+        reduce_norm_terms(split, mesh.tensor_parallel_group, norm_type)
         total = torch.maximum(split, terms[1]) if math.isinf(norm_type) else split + terms[1]
     if mesh.pipeline is not None:  # the other stages' parameters
-        _reduce(total, mesh.pipeline.group, norm_type)
+        reduce_norm_terms(total, mesh.pipeline.group, norm_type)
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 
-def _reduce(terms: Tensor, group: ProcessGroup | None, norm_type: float) -> None:
+def reduce_norm_terms(terms: Tensor, group: ProcessGroup | None, norm_type: float) -> None:
+    """Combine each rank's norm terms over ``group`` in place: the max for the inf-norm, else the sum of the
+    ``|g| ** p`` terms (nothing without a group)."""
     if group is not None:
         if math.isinf(norm_type):
             collectives.all_reduce_max(terms, group)
@@ -82,7 +84,7 @@ def _norm_dtype(shards: list[Tensor]) -> torch.dtype:
     return dtype
 
 
-def _local_norm_term(grads: list[Tensor], norm_type: float, device: torch.device, dtype: torch.dtype) -> Tensor:
+def local_norm_term(grads: list[Tensor], norm_type: float, device: torch.device, dtype: torch.dtype) -> Tensor:
     """This rank's contribution: the max of |g| for the inf-norm, else the sum of per-tensor norms ** p."""
     grads = [g for g in grads if g.numel() > 0]  # a rank may hold no rows of a parameter: an empty max is undefined
     if not grads:

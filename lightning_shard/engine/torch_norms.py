@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.engine.clipping import global_grad_norm
+from lightning_shard.engine.clipping import global_grad_norm, local_norm_term, reduce_norm_terms
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.param_shard import ShardedParam
 
@@ -127,34 +127,20 @@ def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separ
              if id(q) in by_face and q.grad is not None]
     if not named:
         return {}
-    terms = torch.stack([_local_term(grad, norm_type) for _, _, grad in named if grad is not None]).to(engine.device)
+    terms = torch.stack([local_norm_term([grad], norm_type, engine.device, torch.float32)
+                         for _, _, grad in named if grad is not None])
     mesh = engine.mesh
-    _reduce_terms(terms, mesh.shard_group, norm_type)
+    reduce_norm_terms(terms, mesh.shard_group, norm_type)
     if mesh.tensor_parallel_group is not None and mesh.tensor_parallel_parts:
         parts = torch.tensor([id(p.sharded) in mesh.tensor_parallel_parts for _, p, _ in named], device=terms.device)
         split = torch.where(parts, terms, torch.zeros_like(terms))
-        _reduce_terms(split, mesh.tensor_parallel_group, norm_type)
+        reduce_norm_terms(split, mesh.tensor_parallel_group, norm_type)
         terms = torch.where(parts, split, terms)
     norms = terms if math.isinf(norm_type) else terms.pow(1.0 / norm_type)
     result = {f"grad_{norm_type}_norm{group_separator}{name}": norm for (name, _, _), norm in zip(named, norms)}
     total = global_grad_norm([p.sharded for p in engine.sharded_params()], mesh, engine.device, norm_type)
     result[f"grad_{norm_type}_norm_total"] = total
     return result
-
-
-def _local_term(grad: Tensor, norm_type: float) -> Tensor:
-    """This rank's part of one gradient's norm: the max of |g|, or the sum of |g| ** p (0 for no rows)."""
-    if grad.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=grad.device)
-    norm = torch.linalg.vector_norm(grad.float(), norm_type)
-    return norm if math.isinf(norm_type) else norm.pow(norm_type)
-
-
-def _reduce_terms(terms: Tensor, group: Any, norm_type: float) -> None:
-    from lightning_shard.engine import collectives
-
-    if group is not None:
-        (collectives.all_reduce_max if math.isinf(norm_type) else collectives.all_reduce_sum)(terms, group)
 
 
 def warn_if_lightning_grad_norm(module: torch.nn.Module, warn: Callable[[str], Any]) -> None:
