@@ -16,26 +16,24 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
 from torch import nn
 
-from lightning_shard.checkpoint.io.selection import SavedParameters
-from lightning_shard.checkpoint.save.save import StateDictType
 from lightning_shard.common.fsdp_compat import (
     check_fsdp_flags,
     cpu_offload_flag,
     mixed_precision_from_torch,
     sharding_strategy_name,
 )
-from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.parallel.pipeline import PipelineSchedule
-from lightning_shard.engine.policies import (
+from lightning_shard.engine.option_choices import (
+    CpuAllocator,
     GradSync,
     ParamInit,
+    PipelineSchedule,
+    SavedParameters,
     ShardingStrategy,
     ShardingStrategyName,
-    WrapPolicy,
-    WrapPolicySpec,
-    resolve_wrap_policy,
+    StateDictType,
 )
+from lightning_shard.engine.policies import WrapPolicy, WrapPolicySpec, resolve_wrap_policy
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import CPUOffload

@@ -46,10 +46,16 @@ from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
 from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_local_storage_options, refuse_unpickling
 from lightning_shard.engine.clipping import clip_grads_with_norm_, global_grad_norm
-from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.policies import GradSync, ParamInit, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
+from lightning_shard.engine.option_choices import (
+    CpuAllocator,
+    GradSync,
+    ParamInit,
+    ShardingStrategy,
+    ShardingStrategyName,
+)
+from lightning_shard.engine.policies import WrapPolicySpec
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 from lightning_shard.engine.whole_tensor_step import prepare_optimizer
 from lightning_shard.engine.wrapping import wrap_marks_units

@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_shard.checkpoint.io.selection import MODEL_SELECTION_KEY, ModelSelection
 from lightning_shard.checkpoint.io.storage import checked_storage_options, is_url, location
 from lightning_shard.checkpoint.save.background import BackgroundSaver, refuse_full_layout_in_background
-from lightning_shard.checkpoint.save.save import StateDictType, save_checkpoint_dir
+from lightning_shard.checkpoint.save.save import save_checkpoint_dir
 from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict, state_dicts_available
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
@@ -42,17 +42,18 @@ from lightning_shard.common.setup import accumulating, setup_sharded_module
 from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_local_storage_options, refuse_unpickling
 from lightning_shard.engine.clipping import clip_grad_norm_
 from lightning_shard.engine.compile import refuse_compiled_root
-from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.memory import MemoryReport, memory_report
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.policies import (
+from lightning_shard.engine.option_choices import (
+    CpuAllocator,
     GradSync,
     ParamInit,
     ShardingStrategy,
     ShardingStrategyName,
-    WrapPolicySpec,
+    StateDictType,
 )
+from lightning_shard.engine.policies import WrapPolicySpec
 from lightning_shard.engine.progress import note_step
 from lightning_shard.engine.sharded_module import ShardedModule
 from lightning_shard.engine.torch_norms import warn_if_lightning_grad_norm
