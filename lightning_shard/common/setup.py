@@ -104,8 +104,7 @@ def install_pipeline(
         )
     split = StageSplit.of(target, is_block, options.pipeline_parallel_size,
                           None if options.pipeline_split_points is None else list(options.pipeline_split_points))
-    pipeline = Pipeline.install(target, split, ranks, options.pipeline_schedule,
-                                options.microbatches or options.pipeline_parallel_size, device)  # fmt: skip
+    pipeline = Pipeline.install(target, split, ranks, options.pipeline_schedule, options.microbatches, device)
     module._pipeline = pipeline  # type: ignore[assignment]
     module._pipeline_split = (name, split)  # type: ignore[assignment]
     return InstalledPipeline(pipeline, name, is_block)

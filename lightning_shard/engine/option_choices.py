@@ -9,27 +9,33 @@ that the engine, the checkpoint layer and both front ends read the same members.
 from __future__ import annotations
 
 import enum
-from typing import Literal, TypeVar
+import re
+from typing import Literal
 
-E = TypeVar("E", bound=enum.Enum)
+from typing_extensions import Self
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 
 
-def parse_choice(cls: type[E], value: E | str, argument: str) -> E:
-    """The member of the string-valued enum ``cls`` that ``value`` names (any case); anything else raises
-    ``ValueError`` naming ``argument`` and the valid values."""
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        for member in cls:
-            if member.value.lower() == value.lower():
-                return member
-    valid = ", ".join(repr(m.value) for m in cls)
-    raise ValueError(f"Unknown {argument} {value!r}. Valid values are: {valid}.")
+class OptionChoice(enum.Enum):
+    """The named values of one option, the class name in snake case (``GradSync``: ``grad_sync``)."""
+
+    @classmethod
+    def parse(cls, value: Self | str) -> Self:
+        """The member ``value`` is or names (in any case); anything else raises ``ValueError`` naming the option and
+        the valid values."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for member in cls:
+                if member.value.lower() == value.lower():
+                    return member
+        option = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+        valid = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"Unknown {option} {value!r}. Valid values are: {valid}.")
 
 
-class ShardingStrategy(enum.Enum):
+class ShardingStrategy(OptionChoice):
     """How parameters, gradients and optimizer state are split across ranks.
 
     - ``FULL_SHARD`` (ZeRO-3): everything sharded; a unit's weights are gathered for its forward,
@@ -46,17 +52,13 @@ class ShardingStrategy(enum.Enum):
     NO_SHARD = "NO_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
 
-    @classmethod
-    def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        return parse_choice(cls, value, "sharding_strategy")
-
     @property
     def reshards_after_forward(self) -> bool:
         """Whether a unit's gathered weights are freed right after its forward (and gathered again for backward)."""
         return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
-class GradSync(enum.Enum):
+class GradSync(OptionChoice):
     """When gradients are reduced while ``accumulate_grad_batches`` > 1.
 
     - ``MICROBATCH``: reduce-scatter after every micro-batch and accumulate into the sharded
@@ -68,12 +70,8 @@ class GradSync(enum.Enum):
     MICROBATCH = "microbatch"
     STEP = "step"
 
-    @classmethod
-    def parse(cls, value: GradSync | str) -> GradSync:
-        return parse_choice(cls, value, "grad_sync")
 
-
-class ParamInit(enum.Enum):
+class ParamInit(OptionChoice):
     """How parameters built on the meta device get their first values when the model is sharded.
 
     - ``RESET_PARAMETERS``: each owning module's ``reset_parameters()`` runs on its unit, materialised in full
@@ -87,31 +85,19 @@ class ParamInit(enum.Enum):
     RESET_PARAMETERS = "reset_parameters"
     EMPTY = "empty"
 
-    @classmethod
-    def parse(cls, value: ParamInit | str) -> ParamInit:
-        return parse_choice(cls, value, "param_init")
 
-
-class CpuAllocator(enum.Enum):
+class CpuAllocator(OptionChoice):
     """What sharding a module on CPU does to the process's C allocator (see [Note: the CPU allocator])."""
 
     REUSE = "reuse"  # keep large freed blocks in the heap for the next request of the step
     SYSTEM = "system"  # leave the allocator as the process has it
 
-    @classmethod
-    def parse(cls, value: Literal["reuse", "system"] | CpuAllocator) -> CpuAllocator:
-        return parse_choice(cls, value, "cpu_allocator")
 
-
-class StateDictType(enum.Enum):
+class StateDictType(OptionChoice):
     """How ``trainer.save_checkpoint`` lays out model and optimizer tensors."""
 
     SHARDED = "sharded"  # every rank writes its own rows; loads at any world size
     FULL = "full"  # gathered one tensor at a time and streamed by rank 0 into model/optimizer.safetensors
-
-    @classmethod
-    def parse(cls, value: StateDictType | str) -> StateDictType:
-        return parse_choice(cls, value, "state_dict_type")
 
 
 class SavedParameters(enum.Enum):
