@@ -183,23 +183,23 @@ _PARAMETERS = [
 ]
 
 
-def takes_shard_arguments(function: F) -> F:
+def _takes_shard_arguments(function: F) -> F:
     """Give ``function``, which takes the sharding arguments as ``**arguments``, the signature that names them: its
     own parameters, then each of ``ShardArguments`` as a keyword-only parameter with its annotation and default, as
     ``inspect.signature`` and ``typing.get_type_hints`` (and so jsonargparse and LightningCLI) read it."""
     signature = inspect.signature(function)
     own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     function.__signature__ = signature.replace(parameters=[*own, *_PARAMETERS])  # type: ignore[attr-defined]
-    kept = {name: hint for name, hint in function.__annotations__.items() if name in {p.name for p in own}}
-    function.__annotations__ = {**kept, **_HINTS, "return": signature.return_annotation}
+    kept = {p.name for p in own} | {"return"}
+    function.__annotations__ = {**{n: h for n, h in function.__annotations__.items() if n in kept}, **_HINTS}
     return function
 
 
 def declare_shard_arguments(cls: S) -> S:
     """Class decorator of both front ends' ``ShardStrategy``: ``__init__`` takes the sharding arguments (see
-    ``takes_shard_arguments``), and the docstring documents them, in an ``Args`` section of its own or after the
+    ``_takes_shard_arguments``), and the docstring documents them, in an ``Args`` section of its own or after the
     front end's own ``Args`` (then its last section)."""
-    takes_shard_arguments(cls.__dict__["__init__"])  # its own, not an inherited one
+    _takes_shard_arguments(cls.__dict__["__init__"])  # its own, not an inherited one
     text = inspect.cleandoc(cls.__doc__ or "")
     if "\nArgs:\n" not in text:
         text += "\n\nArgs:"
@@ -238,7 +238,7 @@ class ShardOptions:
     pipeline_split_points: tuple[str, ...] | None  # None: blocks split evenly
 
     @classmethod
-    @takes_shard_arguments
+    @_takes_shard_arguments
     def parse(cls, **arguments: Any) -> ShardOptions:
         """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values.
 
@@ -284,6 +284,7 @@ class ShardOptions:
                 " recomputation in backward runs the attention outside the step that makes it see the whole"
                 " sequence. Drop activation_checkpointing_policy, or use context_parallel_size=1."
             )
+        pipeline = _pipeline_options(given, strategy)
         return cls(
             sharding_strategy=strategy,
             wrap_policy=resolve_wrap_policy(given.auto_wrap_policy),
@@ -299,13 +300,13 @@ class ShardOptions:
             cpu_allocator=CpuAllocator.parse(given.cpu_allocator),
             timeout=_parse_timeout(given.timeout),
             process_group_backend=_parse_backend(given.process_group_backend),
-            storage_options=checked_storage_options(given.storage_options),
             tensor_parallel_size=_positive_int(given.tensor_parallel_size, "tensor_parallel_size"),
             data_parallel_size=None if given.data_parallel_size == "auto" else _positive_int(
                 given.data_parallel_size, "data_parallel_size", "or 'auto'"
             ),
             context_parallel_size=context_parallel_size,
-            **_pipeline_options(given, strategy),
+            storage_options=checked_storage_options(given.storage_options),
+            **pipeline,
         )
 
 

@@ -1,20 +1,19 @@
 """The sharding engine: plain PyTorch, no Lightning. Both Lightning front ends are built on it, and a PyTorch
 script can call it directly (see ``shard_model``).
 
-One concern per module: ``option_choices`` (the named choices of the options: sharding strategies, gradient
-sync, ...), ``policies`` (wrap policies), ``mesh`` (which ranks shard and
-replicate together), ``param_shard`` (one parameter's rows and its two faces), ``unit`` and ``reduction`` (a
-unit's all-gather and its gradient reduction), ``collectives`` (the collectives as plain functions),
-``planning`` (which unit owns which parameter), ``wrapping`` (units marked by hand; other libraries' sharding
-wrappers refused), ``diagnostics`` (set-up warnings), ``buffers`` (buffers that follow DDP), ``sharded_module``
-(the engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clipping``,
-``activation_checkpointing``, ``compile`` (compiled blocks with the sharding hooks outside the compiled code),
-``cpu_allocator`` (glibc's malloc reusing the large blocks PyTorch frees every step on CPU),
-``memory`` (what a rank holds), ``estimate`` (what it would hold), ``full_params`` (``summon_full_params``: the
-full weights in memory for a ``with`` block), ``transformers_buffers`` (meta buffers of Hugging Face models given
-their values by the model's own initialisation), ``optimizer_rule`` and ``whole_tensor_step`` (which optimizers
-run on shards, which run each tensor whole on one rank) and ``torch_norms`` (torch's gradient norms over whole
-tensors).
+One concern per module: ``option_choices`` (the named choices of the options: the sharding strategy, gradient
+sync...), ``policies`` (wrap policies), ``mesh`` (which ranks shard and replicate together), ``param_shard`` (one
+parameter's rows and its two faces), ``unit`` and ``reduction`` (a unit's all-gather and its gradient reduction),
+``collectives`` (the collectives as plain functions), ``planning`` (which unit owns which parameter), ``wrapping``
+(units marked by hand; other libraries' sharding wrappers refused), ``diagnostics`` (set-up warnings), ``buffers``
+(buffers that follow DDP), ``sharded_module`` (the engine of one model and its hooks), ``mixed_precision``,
+``grad_scaler``, ``clipping``, ``activation_checkpointing``, ``compile`` (compiled blocks with the sharding hooks
+outside the compiled code), ``cpu_allocator`` (glibc's malloc reusing the large blocks PyTorch frees every step on
+CPU), ``memory`` (what a rank holds), ``estimate`` (what it would hold), ``full_params`` (``summon_full_params``:
+the full weights in memory for a ``with`` block), ``transformers_buffers`` (meta buffers of Hugging Face models
+given their values by the model's own initialisation), ``optimizer_rule`` and ``whole_tensor_step`` (which
+optimizers run on shards, which run each tensor whole on one rank) and ``torch_norms`` (torch's gradient norms over
+whole tensors).
 """
 
 from __future__ import annotations

@@ -59,11 +59,9 @@ from lightning_shard.fabric.precision import ShardPrecision
 class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     """Fully sharded data parallel training (ZeRO-3) for Lightning Fabric: gloo on CPU, NCCL on GPU.
 
-    Takes the sharding arguments of the Trainer's ``lightning_shard.ShardStrategy`` (below), with the same defaults
-    and the same forms (PyTorch FSDP's ``ShardingStrategy``, ``CPUOffload``, ``MixedPrecision`` and wrap policies
-    included), and two of its own. In Fabric, ``grad_sync`` applies to micro-batches run under
-    ``fabric.no_backward_sync(model)``, and ``param_init="empty"`` leaves a model built under
-    ``fabric.init_module(empty_init=True)`` for ``fabric.load_raw`` to fill.
+    Takes the sharding arguments of the Trainer's ``lightning_shard.ShardStrategy`` (below, after two of its own),
+    with the same defaults and the same forms (PyTorch FSDP's ``ShardingStrategy``, ``CPUOffload``,
+    ``MixedPrecision`` and wrap policies included).
 
     ``context_parallel_size > 1``: each call of the set-up module splits its arguments' sequences and is one step
     (see docs/context_parallel.md); a loss computed from its output outside the call is this rank's part of the
