@@ -67,7 +67,7 @@ def _fsdp_flag(name: str) -> Any:
 @dataclass(frozen=True)
 class ShardArguments:
     """The sharding arguments as the user passes them, declared once: each field is a keyword argument of both front
-    ends' ``ShardStrategy`` with this name, annotation and default, documented by its ``doc``."""
+    ends' ``ShardStrategy`` with this name, annotation and default, documented by its ``metadata["doc"]``."""
 
     sharding_strategy: ShardingStrategyName | ShardingStrategy | TorchShardingStrategy = _argument("FULL_SHARD", """
         ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"`` or ``"HYBRID_SHARD"`` (or the member of
