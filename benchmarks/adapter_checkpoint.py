@@ -34,8 +34,9 @@ def _worker(rank: int, repeats: int, root: str, out: Any) -> None:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from lightning_shard.checkpoint import save_checkpoint
-    from lightning_shard.checkpoint.io.selection import ModelSelection, SavedParameters
+    from lightning_shard.checkpoint.io.selection import ModelSelection
     from lightning_shard.engine import shard_model
+    from lightning_shard.engine.option_choices import SavedParameters
 
     torch.manual_seed(0)
     base = transformers.GPT2LMHeadModel(transformers.GPT2Config())

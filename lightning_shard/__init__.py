@@ -31,13 +31,8 @@ if TYPE_CHECKING:
     from lightning_shard.engine.memory import MemoryReport, ReplicatedMemoryBytes, ShardMemoryBytes
     from lightning_shard.engine.mixed_precision import MixedPrecision
     from lightning_shard.engine.optimizer_rule import OptimizerUpdate, declare_optimizer_update
-    from lightning_shard.engine.policies import (
-        CallableWrapPolicy,
-        GradSync,
-        ModuleClassWrapPolicy,
-        ShardingStrategy,
-        SizeWrapPolicy,
-    )
+    from lightning_shard.engine.option_choices import GradSync, ShardingStrategy
+    from lightning_shard.engine.policies import CallableWrapPolicy, ModuleClassWrapPolicy, SizeWrapPolicy
     from lightning_shard.engine.stall import StalledRanksError
     from lightning_shard.engine.tensor_parallel import hf_tensor_parallel_plan
     from lightning_shard.engine.torch_norms import grad_norm
@@ -76,9 +71,9 @@ else:
         "OptimizerUpdate": "lightning_shard.engine.optimizer_rule",
         "declare_optimizer_update": "lightning_shard.engine.optimizer_rule",
         "CallableWrapPolicy": "lightning_shard.engine.policies",
-        "GradSync": "lightning_shard.engine.policies",
+        "GradSync": "lightning_shard.engine.option_choices",
         "ModuleClassWrapPolicy": "lightning_shard.engine.policies",
-        "ShardingStrategy": "lightning_shard.engine.policies",
+        "ShardingStrategy": "lightning_shard.engine.option_choices",
         "SizeWrapPolicy": "lightning_shard.engine.policies",
         "StalledRanksError": "lightning_shard.engine.stall",
         "hf_tensor_parallel_plan": "lightning_shard.engine.tensor_parallel",

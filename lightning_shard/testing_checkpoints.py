@@ -48,15 +48,9 @@ from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_i
 from lightning_shard.checkpoint.io.layout import shard_rows, splits_by_rows, whole_owners
 from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
 from lightning_shard.checkpoint.save.optimizer_entries import optimizer_plan
-from lightning_shard.checkpoint.save.save import (
-    StateDictType,
-    index_head,
-    saved_tensors,
-    write_shard_file,
-    write_trainer_state,
-)
+from lightning_shard.checkpoint.save.save import index_head, saved_tensors, write_shard_file, write_trainer_state
 from lightning_shard.checkpoint.save.whole import Held, Local, Rows, shard_file_tensors
-from lightning_shard.engine.policies import ShardingStrategy
+from lightning_shard.engine.option_choices import ShardingStrategy, StateDictType
 
 
 def simulate_save(

@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_shard import ModuleClassWrapPolicy, ShardingStrategy, ShardStrategy
 from lightning_shard.cli import main
+from lightning_shard.engine.option_choices import PipelineSchedule, StateDictType
 from tests.models import LitModel
 
 FIXTURE_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_v1" / "checkpoint"
@@ -56,6 +57,18 @@ def test_strategy_from_class_path_and_init_args(tmp_path: Path) -> None:
     assert strategy.sharding_strategy is ShardingStrategy.HYBRID_SHARD
     assert strategy.options.device_mesh == (2, 2)
     assert strategy.options.wrap_policy == ModuleClassWrapPolicy(frozenset({"GPTBlock", "MLPBlock"}))
+
+
+def test_the_command_line_overrides_an_init_arg_of_the_yaml_files_strategy(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(BY_CLASS_PATH.replace("sharding_strategy: HYBRID_SHARD\n      device_mesh: [2, 2]",
+                                            "pipeline_schedule: gpipe\n      state_dict_type: full"))
+    cli = LightningCLI(LitModel, run=False, save_config_callback=None,
+                       args=["--config", str(config), "--trainer.strategy.init_args.tensor_parallel_size", "2"])
+    options = cli.trainer.strategy.options
+    assert (options.pipeline_schedule, options.state_dict_type) == (PipelineSchedule.GPIPE, StateDictType.FULL)
+    assert options.tensor_parallel_size == 2
+    assert options.wrap_policy == ModuleClassWrapPolicy(frozenset({"GPTBlock", "MLPBlock"}))
 
 
 def test_strategy_from_registry_name(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ import textwrap
 import pytest
 
 from lightning_shard import ShardStrategy
-from lightning_shard.engine.cpu_allocator import AllocatorSetting, CpuAllocator, _user_chose_allocator
+from lightning_shard.engine.cpu_allocator import AllocatorSetting, _user_chose_allocator
+from lightning_shard.engine.option_choices import CpuAllocator
 from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
 from tests.jobs import free_port
 

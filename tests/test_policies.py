@@ -6,10 +6,10 @@ import pytest
 from torch import nn
 
 from lightning_shard.engine.mesh import mesh_shape
+from lightning_shard.engine.option_choices import ShardingStrategy
 from lightning_shard.engine.policies import (
     CallableWrapPolicy,
     ModuleClassWrapPolicy,
-    ShardingStrategy,
     SizeWrapPolicy,
     resolve_wrap_policy,
     select_unit_modules,

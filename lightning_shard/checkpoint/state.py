@@ -23,7 +23,8 @@ from lightning_shard.checkpoint.io.agreement import agree, broadcast_str
 from lightning_shard.checkpoint.io.selection import MODEL_SELECTION_KEY, ModelSelection
 from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, location
 from lightning_shard.checkpoint.load.load import LoadResult
-from lightning_shard.checkpoint.save.save import StateDictType, save_checkpoint_dir
+from lightning_shard.checkpoint.save.save import save_checkpoint_dir
+from lightning_shard.engine.option_choices import StateDictType
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
 if TYPE_CHECKING:

@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.mesh import ShardMesh, build_shard_mesh, mesh_shape
+from lightning_shard.engine.option_choices import ShardingStrategy
 from lightning_shard.engine.parallel import ContextParallel, ParallelDims
 from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
-from lightning_shard.engine.policies import ShardingStrategy
 from lightning_shard.engine.progress import RECORD, start_publishing, stop_publishing
 from lightning_shard.engine.stall import bound_waits, rendezvous_timeout, watching
 

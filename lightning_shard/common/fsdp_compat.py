@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_shard.engine.mixed_precision import MixedPrecision
 
-_FLAG_MEANINGS = {
+FSDP_FLAG_MEANINGS = {  # what ShardStrategy always does, for each flag
     "use_orig_params": "the optimizer always sees each parameter's own shard under its original name",
     "limit_all_gathers": "at most two units are gathered or gathering at once",
     "sync_module_states": "the initial parameters and buffers are always broadcast from rank 0 at set-up",
@@ -86,7 +86,7 @@ def check_fsdp_flags(**flags: Any) -> None:
             raise TypeError(f"{name} must be True or False, got {value!r}.")
         if not value:
             raise ValueError(
-                f"{name}=False cannot be honoured by ShardStrategy: {_FLAG_MEANINGS[name]}. Drop the argument"
+                f"{name}=False cannot be honoured by ShardStrategy: {FSDP_FLAG_MEANINGS[name]}. Drop the argument"
                 f" (or pass {name}=True)."
             )
 

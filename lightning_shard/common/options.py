@@ -1,54 +1,218 @@
-"""The sharding arguments both front ends take, with the same names, defaults and validation.
+"""The sharding arguments both front ends take: declared once, and checked once.
 
-``ShardStrategy`` for the ``Trainer`` and for ``Fabric`` accept exactly these arguments (besides Lightning's
-own: accelerator, devices, cluster environment, precision, checkpoint IO). Each is checked when the strategy
-is constructed, on every rank, before any process group exists, so a bad value can never leave a rank
-waiting in a collective.
+``ShardArguments`` declares each argument of ``ShardStrategy`` for the ``Trainer`` and for ``Fabric`` besides
+Lightning's own (accelerator, devices, cluster environment, precision, checkpoint IO) and each front end's few of
+its own: its name, type, default and what the user reads about it. ``declare_shard_arguments`` makes them both
+front ends' named constructor parameters and the ``Args`` section of their docstrings, so ``inspect.signature``,
+``typing.get_type_hints``, jsonargparse and LightningCLI see the same arguments in both. ``ShardOptions.parse``
+checks them when the strategy is constructed, on every rank, before any process group exists, so a bad value can
+never leave a rank waiting in a collective.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+import textwrap
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
 from torch import nn
+from torch.distributed.fsdp import CPUOffload
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 
-from lightning_shard.checkpoint.io.selection import SavedParameters
-from lightning_shard.checkpoint.save.save import StateDictType
+from lightning_shard.checkpoint.io.storage import checked_storage_options
 from lightning_shard.common.fsdp_compat import (
+    FSDP_FLAG_MEANINGS,
     check_fsdp_flags,
     cpu_offload_flag,
     mixed_precision_from_torch,
     sharding_strategy_name,
 )
-from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.parallel.pipeline import PipelineSchedule
-from lightning_shard.engine.policies import (
+from lightning_shard.engine.option_choices import (
+    CpuAllocator,
     GradSync,
     ParamInit,
+    PipelineSchedule,
+    SavedParameters,
     ShardingStrategy,
     ShardingStrategyName,
-    WrapPolicy,
-    WrapPolicySpec,
-    resolve_wrap_policy,
+    StateDictType,
 )
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import CPUOffload
-    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
-    from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+from lightning_shard.engine.policies import WrapPolicy, WrapPolicySpec, resolve_wrap_policy
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # long enough for a slow checkpoint write between two collectives, short
 # enough that a stalled rank is named within minutes rather than after torch's 30 (gloo) or a silent hang
 
+F = TypeVar("F", bound=Callable[..., Any])
+S = TypeVar("S", bound=type)
+
+
+def _argument(default: Any, doc: str) -> Any:
+    """A declared argument: its default, and what the strategies' docstrings say of it."""
+    return field(default=default, metadata={"doc": " ".join(doc.split())})
+
+
+def _fsdp_flag(name: str) -> Any:
+    return _argument(True, f"""taken for code written for ``FSDPStrategy``: ``True`` (default) is what ShardStrategy
+        always does ({FSDP_FLAG_MEANINGS[name]}); ``False`` is refused.""")
+
+
+@dataclass(frozen=True)
+class ShardArguments:
+    """The sharding arguments as the user passes them, declared once: each field is a keyword argument of both front
+    ends' ``ShardStrategy`` with this name, annotation and default, documented by its ``metadata["doc"]``."""
+
+    sharding_strategy: ShardingStrategyName | ShardingStrategy | TorchShardingStrategy = _argument("FULL_SHARD", """
+        ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"`` or ``"HYBRID_SHARD"`` (or the member of
+        that name of ``lightning_shard.ShardingStrategy`` or of PyTorch's FSDP enum).""")
+    auto_wrap_policy: WrapPolicySpec = _argument(None, """
+        which modules become sharding units (gathered and reduced together): a set of module classes or class
+        names (``{"GPT2Block"}``), a callable ``(module, name) -> bool``, or an int minimum parameter count;
+        PyTorch FSDP's policies (``ModuleWrapPolicy``, ``functools.partial`` of ``size_based_auto_wrap_policy``...)
+        select what FSDP would wrap. The root holds whatever no unit claims. ``None``: the whole model is one unit.
+        Modules passed to PyTorch's ``wrap()`` in ``configure_model`` or under ``fabric.init_module()`` (or to
+        ``lightning_shard.mark_unit``) are units as well, unwrapped (see [Note: manual units]).""")
+    device_mesh: tuple[int, int] | None = _argument(None, """
+        ``(replicas, shard_size)`` for ``"HYBRID_SHARD"``: shard inside groups of ``shard_size`` ranks, replicate
+        across ``replicas`` groups. Default for ``"HYBRID_SHARD"``: ``(num_nodes, devices)``.""")
+    mixed_precision: MixedPrecision | TorchMixedPrecision | None = _argument(None, """
+        explicit dtypes (``MixedPrecision``, or PyTorch FSDP's, translated field by field) for gathering,
+        computing and reducing; overrides what the Trainer's or Fabric's ``precision`` implies (``"bf16-mixed"``:
+        gather and compute in bf16, reduce in fp32).""")
+    activation_checkpointing_policy: WrapPolicySpec = _argument(None, """
+        module classes or class names (as ``auto_wrap_policy``) whose activations are recomputed in backward
+        instead of stored.""")
+    activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = _argument(None, """
+        deprecated, as in ``FSDPStrategy``: a module class or a list of them, taken as
+        ``activation_checkpointing_policy`` with a deprecation warning.""")
+    grad_sync: Literal["microbatch", "step"] | GradSync = _argument("microbatch", """
+        for the micro-batches that do not end an accumulation window (the Trainer's ``accumulate_grad_batches`` >
+        1; in Fabric, those run under ``fabric.no_backward_sync(model)``): ``"microbatch"`` (default)
+        reduce-scatters after every micro-batch, keeping gradients sharded; ``"step"`` accumulates full gradients
+        locally and reduces once per optimizer step (less communication, more memory).""")
+    state_dict_type: Literal["sharded", "full"] | StateDictType = _argument("sharded", """
+        ``"sharded"`` (default): checkpoints are directories where every rank writes its own rows in safetensors;
+        ``"full"``: rank 0 streams the gathered model into one ``model.safetensors`` (and the optimizer into
+        ``optimizer.safetensors``). Both load at any world size.""")
+    save_trainable_only: bool = _argument(False, """
+        checkpoints hold only the parameters that require grad (and every buffer) and their optimizer state: a
+        LoRA fine-tune writes its adapters, not the frozen base. Resuming needs the frozen weights restored from
+        where they came from (a pretrained import in ``configure_model`` or ``on_fit_start``, or after
+        ``fabric.setup_module``): the checkpoint records a fingerprint of each weight it leaves out, and the first
+        forward after the load raises, naming them, if they do not hold those values (see docs/user_guide.md,
+        "Adapter-only checkpoints").""")
+    cpu_offload: bool | CPUOffload = _argument(False, """
+        keep parameter shards, gradients and optimizer state in CPU memory and run the optimizer step on the CPU;
+        each unit's weights are uploaded to the GPU when it is gathered. Frees GPU memory at the cost of
+        host-device copies every step. On a CPU device it changes nothing (a warning says so). PyTorch's
+        ``CPUOffload(offload_params=...)`` stands for its flag.""")
+    broadcast_buffers: bool = _argument(True, """
+        as DDP's ``broadcast_buffers`` (``forward_sync_buffers``): ``True`` (default) overwrites every rank's
+        buffers (BatchNorm statistics) with global rank 0's at the start of each forward that follows a training
+        forward, in one broadcast; ``False`` leaves each rank's buffers to evolve from its own data. Either way all
+        ranks start from rank 0's buffers when the model is set up.""")
+    param_init: Literal["reset_parameters", "empty"] | ParamInit = _argument("reset_parameters", """
+        how parameters built on the meta device (in ``configure_model``, or under
+        ``fabric.init_module(empty_init=True)``) get their first values: ``"reset_parameters"`` (default) runs each
+        module's ``reset_parameters()`` one unit at a time; ``"empty"`` leaves them uninitialised for pretrained
+        weights loaded in ``on_fit_start`` or by ``fabric.load_raw`` to fill (no unit is materialised in full, so
+        the import holds only this rank's shards); a forward before every such parameter is loaded raises naming
+        the missing ones.""")
+    cpu_allocator: Literal["reuse", "system"] | CpuAllocator = _argument("reuse", """
+        what training on CPU does to the process's C allocator (glibc on Linux): ``"reuse"`` (default) keeps large
+        freed blocks (autograd's weight gradients, optimizer temporaries) in the heap for the next request instead
+        of returning them to the kernel, which at a billion parameters saved over a million page faults a step;
+        ``"system"`` leaves the allocator as it is. Ignored when the environment already sets glibc's malloc
+        (``MALLOC_*_``, ``GLIBC_TUNABLES``) or preloads another allocator.""")
+    tensor_parallel_size: int = _argument(1, """
+        ranks that split each layer by a tensor-parallel plan (default 1: none). With ``T > 1`` the strategy
+        builds ModelParallelStrategy's ``("data_parallel", "tensor_parallel")`` mesh, ``strategy.device_mesh``
+        (``self.device_mesh`` in ``configure_model``); apply the plan on its ``"tensor_parallel"`` dimension
+        (``parallelize_module``, without ``fully_shard``) in ``configure_model``, or with Fabric in
+        ``parallelize_fn``, and the strategy shards each rank's part over the data-parallel ranks (see
+        docs/tensor_parallel.md).""")
+    data_parallel_size: int | Literal["auto"] = _argument("auto", """
+        ``"auto"`` (default): the world size divided by ``pipeline_parallel_size`` x ``context_parallel_size`` x
+        ``tensor_parallel_size``; an int must make the product the world size.""")
+    context_parallel_size: int = _argument(1, """
+        ranks that split each batch's sequences (default 1: none). With ``C > 1`` the mesh is ``("data_parallel",
+        "context_parallel", "tensor_parallel")`` (``strategy.device_mesh``), the ranks of one context-parallel
+        group see the same batches and each keeps its part of every sequence tensor (dim 1 of every batch tensor
+        of two or more dimensions, with the causal load balance), attention (``scaled_dot_product_attention``)
+        sees the whole sequence, ``cross_entropy`` is the whole sequence's, and parameters shard over the data x
+        context ranks (see docs/context_parallel.md).""")
+    pipeline_parallel_size: int = _argument(1, """
+        ``P > 1`` splits the model's blocks (by ``auto_wrap_policy``, or its longest list of repeated blocks)
+        into ``P`` stages on consecutive groups of ranks, each sharded over its data-parallel ranks; every call of
+        the model runs ``microbatches`` through the stages by ``pipeline_schedule`` and returns the whole output
+        on every rank (see docs/pipeline_parallel.md). Default 1: none.""")
+    pipeline_schedule: Literal["1F1B", "gpipe"] | PipelineSchedule = _argument("1F1B", """
+        the order in which each stage runs its microbatches: ``"1F1B"`` (default; fewer activations held, one extra
+        forward) or ``"gpipe"``.""")
+    microbatches: int | None = _argument(None, """
+        microbatches per call of the model under pipeline parallelism (default ``None``:
+        ``pipeline_parallel_size``); must divide the batch size.""")
+    pipeline_split_points: list[str] | None = _argument(None, """
+        the names of the blocks where pipeline stages 1, 2... begin (default ``None``: as even as possible).""")
+    process_group_backend: str | None = _argument(None, """
+        ``"gloo"``, ``"nccl"`` or a per-device map such as ``"cpu:gloo,cuda:nccl"``; by default gloo for CPU and
+        NCCL for CUDA.""")
+    timeout: timedelta | None = _argument(None, """
+        how long a rank waits for the others in any collective before it raises ``StalledRanksError`` naming the
+        ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.""")
+    storage_options: dict[str, Any] | None = _argument(None, """
+        fsspec options (a dict) for every checkpoint URL the strategy saves, loads or removes (``s3://...``:
+        endpoint, credentials); a ``save_checkpoint(..., storage_options=...)`` call may give its own. Local paths
+        take none. Default: the protocol's own configuration (environment variables).""")
+    use_orig_params: bool = _fsdp_flag("use_orig_params")
+    limit_all_gathers: bool = _fsdp_flag("limit_all_gathers")
+    sync_module_states: bool = _fsdp_flag("sync_module_states")
+
+
+_HINTS = typing.get_type_hints(ShardArguments)
+_PARAMETERS = [
+    inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=_HINTS[f.name])
+    for f in fields(ShardArguments)
+]
+
+
+def _takes_shard_arguments(function: F) -> F:
+    """Give ``function``, which takes the sharding arguments as ``**arguments``, the signature that names them: its
+    own parameters, then each of ``ShardArguments`` as a keyword-only parameter with its annotation and default, as
+    ``inspect.signature`` and ``typing.get_type_hints`` (and so jsonargparse and LightningCLI) read it."""
+    signature = inspect.signature(function)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    function.__signature__ = signature.replace(parameters=[*own, *_PARAMETERS])  # type: ignore[attr-defined]
+    kept = {p.name for p in own} | {"return"}
+    function.__annotations__ = {**{n: h for n, h in function.__annotations__.items() if n in kept}, **_HINTS}
+    return function
+
+
+def declare_shard_arguments(cls: S) -> S:
+    """Class decorator of both front ends' ``ShardStrategy``: ``__init__`` takes the sharding arguments (see
+    ``_takes_shard_arguments``), and the docstring documents them, in an ``Args`` section of its own or after the
+    front end's own ``Args`` (then its last section)."""
+    _takes_shard_arguments(cls.__dict__["__init__"])  # its own, not an inherited one
+    text = inspect.cleandoc(cls.__doc__ or "")
+    if "\nArgs:\n" not in text:
+        text += "\n\nArgs:"
+    for argument in fields(ShardArguments):
+        text += "\n" + textwrap.fill(argument.metadata["doc"], 116, initial_indent=f"    {argument.name}: ",
+                                     subsequent_indent=" " * 8, break_long_words=False, break_on_hyphens=False)
+    cls.__doc__ = text + "\n"
+    return cls
+
 
 @dataclass(frozen=True)
 class ShardOptions:
-    """The validated sharding arguments of a ``ShardStrategy`` (see the strategy's docstring for each)."""
+    """The checked sharding arguments of a ``ShardStrategy`` (``ShardArguments`` says what each is)."""
 
     sharding_strategy: ShardingStrategy
     wrap_policy: WrapPolicy | None
@@ -64,120 +228,96 @@ class ShardOptions:
     cpu_allocator: CpuAllocator
     timeout: timedelta  # how long any rank waits in one collective before StalledRanksError
     process_group_backend: str | None
-    tensor_parallel_size: int = 1  # see [Note: the data-parallel ranks under tensor parallelism]
-    data_parallel_size: int | None = None  # None: "auto", the world size / (context x tensor_parallel_size)
-    context_parallel_size: int = 1  # see lightning_shard.engine.parallel.context
-    pipeline_parallel_size: int = 1  # see lightning_shard.engine.parallel.pipeline
-    pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
-    microbatches: int | None = None  # None: pipeline_parallel_size
-    pipeline_split_points: tuple[str, ...] | None = None  # None: blocks split evenly
+    storage_options: dict[str, Any] | None  # for checkpoint URLs
+    tensor_parallel_size: int  # see [Note: the data-parallel ranks under tensor parallelism]
+    data_parallel_size: int | None  # None: "auto", the world size / (pipeline x context x tensor_parallel_size)
+    context_parallel_size: int  # see lightning_shard.engine.parallel.context
+    pipeline_parallel_size: int  # see lightning_shard.engine.parallel.pipeline
+    pipeline_schedule: PipelineSchedule
+    microbatches: int  # per call of the model under pipeline parallelism
+    pipeline_split_points: tuple[str, ...] | None  # None: blocks split evenly
 
     @classmethod
-    def parse(
-        cls,
-        *,
-        auto_wrap_policy: WrapPolicySpec = None,
-        sharding_strategy: ShardingStrategyName | ShardingStrategy | TorchShardingStrategy = "FULL_SHARD",
-        device_mesh: tuple[int, int] | None = None,
-        mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
-        activation_checkpointing_policy: WrapPolicySpec = None,
-        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
-        grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
-        state_dict_type: Literal["sharded", "full"] | StateDictType = "sharded",
-        save_trainable_only: bool = False,
-        cpu_offload: bool | CPUOffload = False,
-        broadcast_buffers: bool = True,
-        param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
-        cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
-        timeout: timedelta | None = None,
-        process_group_backend: str | None = None,
-        use_orig_params: bool = True,
-        limit_all_gathers: bool = True,
-        sync_module_states: bool = True,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int | Literal["auto"] = "auto",
-        context_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        pipeline_schedule: Literal["1F1B", "gpipe"] | PipelineSchedule = "1F1B",
-        microbatches: int | None = None,
-        pipeline_split_points: list[str] | None = None,
-    ) -> ShardOptions:
+    @_takes_shard_arguments
+    def parse(cls, **arguments: Any) -> ShardOptions:
         """Check every argument; raise ``TypeError``/``ValueError`` naming the argument and the valid values.
 
         PyTorch FSDP's forms of the arguments Lightning's ``FSDPStrategy`` takes (a ``ShardingStrategy`` member, a
         ``CPUOffload``, a ``MixedPrecision``, ``use_orig_params``/``limit_all_gathers``/``sync_module_states``) are
         translated where they mean exactly what ours do, and refused otherwise (``common.fsdp_compat``)."""
+        unknown = sorted(arguments.keys() - _HINTS.keys())
+        if unknown:
+            raise TypeError(f"ShardStrategy.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        given = ShardArguments(**arguments)
         check_fsdp_flags(
-            use_orig_params=use_orig_params, limit_all_gathers=limit_all_gathers, sync_module_states=sync_module_states
+            use_orig_params=given.use_orig_params,
+            limit_all_gathers=given.limit_all_gathers,
+            sync_module_states=given.sync_module_states,
         )
-        activation_checkpointing_policy = _checkpointing_policy(
-            activation_checkpointing, activation_checkpointing_policy
+        checkpointing_policy = _checkpointing_policy(
+            given.activation_checkpointing, given.activation_checkpointing_policy
         )
-        cpu_offload = cpu_offload_flag(cpu_offload)
-        mixed_precision = mixed_precision_from_torch(mixed_precision, has_wrap_policy=auto_wrap_policy is not None)
+        cpu_offload = cpu_offload_flag(given.cpu_offload)
+        mixed_precision = mixed_precision_from_torch(
+            given.mixed_precision, has_wrap_policy=given.auto_wrap_policy is not None
+        )
         if not isinstance(cpu_offload, bool):
             raise TypeError(
                 f"cpu_offload must be True or False, got {cpu_offload!r} (PyTorch's CPUOffload(offload_params=...) is"
                 " taken too)."
             )
-        if not isinstance(save_trainable_only, bool):
-            raise TypeError(f"save_trainable_only must be True or False, got {save_trainable_only!r}.")
-        if not isinstance(broadcast_buffers, bool):
-            raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}.")
+        if not isinstance(given.save_trainable_only, bool):
+            raise TypeError(f"save_trainable_only must be True or False, got {given.save_trainable_only!r}.")
+        if not isinstance(given.broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers must be True or False, got {given.broadcast_buffers!r}.")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
                 "mixed_precision must be a lightning_shard.MixedPrecision (or None), or PyTorch FSDP's MixedPrecision;"
                 f" got {type(mixed_precision).__name__}. For the usual cases pass a precision string instead"
                 " (precision='bf16-mixed' on the Trainer or Fabric)."
             )
-        strategy = ShardingStrategy.parse(sharding_strategy_name(sharding_strategy))
-        context_parallel_size = _positive_int(context_parallel_size, "context_parallel_size")
-        if context_parallel_size > 1 and activation_checkpointing_policy is not None:
+        strategy = ShardingStrategy.parse(sharding_strategy_name(given.sharding_strategy))
+        context_parallel_size = _positive_int(given.context_parallel_size, "context_parallel_size")
+        if context_parallel_size > 1 and checkpointing_policy is not None:
             raise ValueError(
                 f"context_parallel_size={context_parallel_size} with activation checkpointing is not supported: the"
                 " recomputation in backward runs the attention outside the step that makes it see the whole"
                 " sequence. Drop activation_checkpointing_policy, or use context_parallel_size=1."
             )
-        pipeline = _pipeline_options(
-            pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points, auto_wrap_policy,
-            sharding_strategy=strategy,
-        )  # fmt: skip
+        pipeline = _pipeline_options(given, strategy)
         return cls(
             sharding_strategy=strategy,
-            wrap_policy=resolve_wrap_policy(auto_wrap_policy),
-            device_mesh=_check_mesh_fits_strategy(_parse_device_mesh(device_mesh), strategy),
+            wrap_policy=resolve_wrap_policy(given.auto_wrap_policy),
+            device_mesh=_check_mesh_fits_strategy(_parse_device_mesh(given.device_mesh), strategy),
             mixed_precision=mixed_precision,
-            checkpointing_policy=resolve_wrap_policy(
-                activation_checkpointing_policy, "activation_checkpointing_policy"
-            ),
-            grad_sync=GradSync.parse(grad_sync),
-            state_dict_type=StateDictType.parse(state_dict_type),
-            saved_parameters=SavedParameters.TRAINABLE if save_trainable_only else SavedParameters.ALL,
+            checkpointing_policy=resolve_wrap_policy(checkpointing_policy, "activation_checkpointing_policy"),
+            grad_sync=GradSync.parse(given.grad_sync),
+            state_dict_type=StateDictType.parse(given.state_dict_type),
+            saved_parameters=SavedParameters.TRAINABLE if given.save_trainable_only else SavedParameters.ALL,
             cpu_offload=cpu_offload,
-            broadcast_buffers=broadcast_buffers,
-            param_init=ParamInit.parse(param_init),
-            cpu_allocator=CpuAllocator.parse(cpu_allocator),
-            timeout=_parse_timeout(timeout),
-            process_group_backend=_parse_backend(process_group_backend),
-            tensor_parallel_size=_positive_int(tensor_parallel_size, "tensor_parallel_size"),
-            data_parallel_size=None if data_parallel_size == "auto" else _positive_int(
-                data_parallel_size, "data_parallel_size", "or 'auto'"
+            broadcast_buffers=given.broadcast_buffers,
+            param_init=ParamInit.parse(given.param_init),
+            cpu_allocator=CpuAllocator.parse(given.cpu_allocator),
+            timeout=_parse_timeout(given.timeout),
+            process_group_backend=_parse_backend(given.process_group_backend),
+            tensor_parallel_size=_positive_int(given.tensor_parallel_size, "tensor_parallel_size"),
+            data_parallel_size=None if given.data_parallel_size == "auto" else _positive_int(
+                given.data_parallel_size, "data_parallel_size", "or 'auto'"
             ),
             context_parallel_size=context_parallel_size,
+            storage_options=checked_storage_options(given.storage_options),
             **pipeline,
         )
 
 
-def _pipeline_options(
-    size: object, schedule: object, microbatches: object, split_points: object, auto_wrap_policy: object, *,
-    sharding_strategy: ShardingStrategy,
-) -> dict[str, Any]:  # fmt: skip
+def _pipeline_options(given: ShardArguments, sharding_strategy: ShardingStrategy) -> dict[str, Any]:
     """The pipeline arguments, checked: the stages are whole blocks by ``auto_wrap_policy`` (classes or names; none:
     the model's repeated blocks, found at set-up), and what pipeline parallelism does not compose with yet is
-    refused, naming it."""
-    size = _positive_int(size, "pipeline_parallel_size")
-    parsed = PipelineSchedule.parse(schedule)  # type: ignore[arg-type]
-    count = None if microbatches is None else _positive_int(microbatches, "microbatches")
+    refused, naming it. ``microbatches`` defaults to one per stage."""
+    size = _positive_int(given.pipeline_parallel_size, "pipeline_parallel_size")
+    schedule = PipelineSchedule.parse(given.pipeline_schedule)
+    microbatches = size if given.microbatches is None else _positive_int(given.microbatches, "microbatches")
+    split_points, auto_wrap_policy = given.pipeline_split_points, given.auto_wrap_policy
     if split_points is not None and not (
         isinstance(split_points, (list, tuple)) and all(isinstance(n, str) for n in split_points)
     ):
@@ -195,7 +335,7 @@ def _pipeline_options(
                 f" names; got {auto_wrap_policy!r}. Pass auto_wrap_policy={{YourBlock}} (the block class, or its"
                 " name)."
             )
-    return {"pipeline_parallel_size": size, "pipeline_schedule": parsed, "microbatches": count,
+    return {"pipeline_parallel_size": size, "pipeline_schedule": schedule, "microbatches": microbatches,
             "pipeline_split_points": None if split_points is None else tuple(split_points)}  # fmt: skip
 
 

@@ -16,9 +16,10 @@ from lightning_shard.common.options import ShardOptions
 from lightning_shard.engine.activation_checkpointing import apply_activation_checkpointing
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
+from lightning_shard.engine.option_choices import GradSync
 from lightning_shard.engine.parallel.pipeline import Pipeline, PipelineError, StageSplit, outermost_blocks
 from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
-from lightning_shard.engine.policies import GradSync, ModuleClassWrapPolicy, WrapPolicy
+from lightning_shard.engine.policies import ModuleClassWrapPolicy, WrapPolicy
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
 
 
@@ -103,8 +104,7 @@ def install_pipeline(
         )
     split = StageSplit.of(target, is_block, options.pipeline_parallel_size,
                           None if options.pipeline_split_points is None else list(options.pipeline_split_points))
-    pipeline = Pipeline.install(target, split, ranks, options.pipeline_schedule,
-                                options.microbatches or options.pipeline_parallel_size, device)  # fmt: skip
+    pipeline = Pipeline.install(target, split, ranks, options.pipeline_schedule, options.microbatches, device)
     module._pipeline = pipeline  # type: ignore[assignment]
     module._pipeline_split = (name, split)  # type: ignore[assignment]
     return InstalledPipeline(pipeline, name, is_block)

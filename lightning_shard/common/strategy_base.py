@@ -10,11 +10,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only
+from torch import Tensor
 
 from lightning_shard.checkpoint.io.storage import is_url
-from lightning_shard.common.distributed import barrier, broadcast_object, parallel_sizes, start_mesh
-from lightning_shard.common.options import ShardOptionsMixin, check_backend_for_device
+from lightning_shard.checkpoint.save.background import BackgroundSaver
+from lightning_shard.common.distributed import barrier, broadcast_object, parallel_sizes, reduce_tensor, start_mesh
+from lightning_shard.common.options import ShardOptions, ShardOptionsMixin, check_backend_for_device
 from lightning_shard.engine.mesh import ShardMesh
 
 if TYPE_CHECKING:
@@ -33,10 +36,18 @@ class ShardStrategyMixin(ShardOptionsMixin):
     node_rank: int
     global_rank: int
     num_nodes: int
-    # Set by the front end's constructor.
+    # Set by _take_arguments, in the front end's constructor.
     _process_group_backend: str | None
+    _saver: BackgroundSaver
     _mesh: ShardMesh | None
     _tensor_parallel_mesh: DeviceMesh | None = None
+
+    def _take_arguments(self, arguments: dict[str, Any]) -> None:
+        """Check the sharding arguments (``ShardOptions.parse``): a bad one raises here, before any process exists."""
+        self.options = ShardOptions.parse(**arguments)
+        self._process_group_backend = self.options.process_group_backend
+        self._saver = BackgroundSaver()  # at most one background save in flight
+        self._mesh = None
 
     @property
     def root_device(self) -> torch.device:
@@ -83,6 +94,10 @@ class ShardStrategyMixin(ShardOptionsMixin):
             )
         return self._mesh
 
+    def _url_options(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """The strategy's ``storage_options`` for ``path`` when it is a URL (a local path takes none)."""
+        return self.options.storage_options if is_url(path) else None
+
     def _check_parallel_sizes(self) -> None:
         """Refuse ``data_parallel_size`` x ``tensor_parallel_size`` other than the world size, before any rank is
         assigned or process group created."""
@@ -103,6 +118,13 @@ class ShardStrategyMixin(ShardOptionsMixin):
         self._mesh, self._tensor_parallel_mesh = start_mesh(
             self.options, self.cluster_environment, self.num_nodes, self.num_processes, self.root_device, backend
         )
+
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """``tensor`` reduced over all ranks (mean by default; Fabric's ``fabric.all_reduce``); a non-tensor is
+        returned unchanged."""
+        return reduce_tensor(tensor, group, reduce_op) if isinstance(tensor, Tensor) else tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         barrier(self.root_device)

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_shard.engine import collectives
+from lightning_shard.engine.option_choices import ParamInit
 from lightning_shard.engine.planning import initializer
-from lightning_shard.engine.policies import ParamInit
 from lightning_shard.engine.transformers_buffers import fill_buffers_transformers_initialises
 
 

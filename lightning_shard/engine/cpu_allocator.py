@@ -27,9 +27,8 @@ import ctypes
 import enum
 import os
 import platform
-from typing import Literal
 
-from lightning_shard.engine.policies import parse_choice
+from lightning_shard.engine.option_choices import CpuAllocator
 
 MMAP_THRESHOLD = 128 * 2**20  # blocks up to this size come from the heap (every weight gradient up to 32M entries)
 TRIM_THRESHOLD = 256 * 2**20  # free memory at the top of the heap kept for the next request instead of returned
@@ -39,17 +38,6 @@ _M_MMAP_THRESHOLD = -3
 
 _USER_ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _REPLACEMENT_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
-
-
-class CpuAllocator(enum.Enum):
-    """What sharding a module on CPU does to the process's C allocator (see [Note: the CPU allocator])."""
-
-    REUSE = "reuse"  # keep large freed blocks in the heap for the next request of the step
-    SYSTEM = "system"  # leave the allocator as the process has it
-
-    @classmethod
-    def parse(cls, value: Literal["reuse", "system"] | CpuAllocator) -> CpuAllocator:
-        return parse_choice(cls, value, "cpu_allocator")
 
 
 class AllocatorSetting(enum.Enum):

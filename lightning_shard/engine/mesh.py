@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_shard.engine.policies import ShardingStrategy
+from lightning_shard.engine.option_choices import ShardingStrategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

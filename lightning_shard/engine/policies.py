@@ -1,4 +1,5 @@
-"""User-facing policies: which sharding strategy runs, and which modules become sharding units.
+"""User-facing wrap policies: which modules become sharding units (the sharding strategy and the other named
+choices are in ``option_choices``).
 
 Everything here is a small frozen value, resolved once when the strategy is built, so that a bad
 value fails on every rank before any process group work starts.
@@ -6,100 +7,13 @@ value fails on every rank before any process group work starts.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
 
 from torch import nn
 
 from lightning_shard.engine.diagnostics import warn_rank0
 from lightning_shard.engine.fsdp_policies import FSDPWrapPolicy, is_fsdp_policy
-
-ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
-E = TypeVar("E", bound=enum.Enum)
-
-
-def parse_choice(cls: type[E], value: E | str, argument: str) -> E:
-    """The member of the string-valued enum ``cls`` that ``value`` names (any case); anything else raises
-    ``ValueError`` naming ``argument`` and the valid values."""
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        for member in cls:
-            if member.value.lower() == value.lower():
-                return member
-    valid = ", ".join(repr(m.value) for m in cls)
-    raise ValueError(f"Unknown {argument} {value!r}. Valid values are: {valid}.")
-
-
-
-class ShardingStrategy(enum.Enum):
-    """How parameters, gradients and optimizer state are split across ranks.
-
-    - ``FULL_SHARD`` (ZeRO-3): everything sharded; a unit's weights are gathered for its forward,
-      freed after it, and gathered again for its backward.
-    - ``SHARD_GRAD_OP`` (ZeRO-2): like ``FULL_SHARD`` but a unit's weights stay gathered from its
-      forward to its backward (one all-gather per unit per step, more memory).
-    - ``NO_SHARD``: replicated, gradients all-reduced (DDP).
-    - ``HYBRID_SHARD``: ``FULL_SHARD`` inside groups of ``shard_size`` ranks, replicated across
-      ``replicas`` groups (``device_mesh=(replicas, shard_size)``).
-    """
-
-    FULL_SHARD = "FULL_SHARD"
-    SHARD_GRAD_OP = "SHARD_GRAD_OP"
-    NO_SHARD = "NO_SHARD"
-    HYBRID_SHARD = "HYBRID_SHARD"
-
-    @classmethod
-    def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        return parse_choice(cls, value, "sharding_strategy")
-
-    @property
-    def reshards_after_forward(self) -> bool:
-        """Whether a unit's gathered weights are freed right after its forward (and gathered again for backward)."""
-        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-
-
-class GradSync(enum.Enum):
-    """When gradients are reduced while ``accumulate_grad_batches`` > 1.
-
-    - ``MICROBATCH``: reduce-scatter after every micro-batch and accumulate into the sharded
-      gradients: gradient memory stays sharded, one reduction per unit per micro-batch.
-    - ``STEP``: accumulate full gradients locally and reduce-scatter once per optimizer step:
-      one reduction per unit per step, but full-size gradients are held between micro-batches.
-    """
-
-    MICROBATCH = "microbatch"
-    STEP = "step"
-
-    @classmethod
-    def parse(cls, value: GradSync | str) -> GradSync:
-        return parse_choice(cls, value, "grad_sync")
-
-
-class ParamInit(enum.Enum):
-    """How parameters built on the meta device get their first values when the model is sharded.
-
-    - ``RESET_PARAMETERS``: each owning module's ``reset_parameters()`` runs on its unit, materialised in full
-      one unit at a time (modules without one leave their parameters uninitialised until loaded).
-    - ``EMPTY``: nothing is initialised and no unit is materialised in full: every meta-device parameter is an
-      uninitialised shard until a load fills it, and a forward before that raises naming what is missing. For
-      models whose weights are about to be loaded (fine-tuning): it saves the time of initialising and keeps
-      the import's memory at this rank's shards. See [Note: parameters nothing initialises].
-    """
-
-    RESET_PARAMETERS = "reset_parameters"
-    EMPTY = "empty"
-
-    @classmethod
-    def parse(cls, value: ParamInit | str) -> ParamInit:
-        return parse_choice(cls, value, "param_init")
-
-
-# --------------------------------------------------------------------------------------------------
-# Wrap policies
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ from lightning_shard.engine.buffers import (
     materialize_and_sync_buffers,
 )
 from lightning_shard.engine.compile import adopt_compiled_wrappers, outside_compiled_code
-from lightning_shard.engine.cpu_allocator import CpuAllocator, apply_cpu_allocator
+from lightning_shard.engine.cpu_allocator import apply_cpu_allocator
 from lightning_shard.engine.diagnostics import warn_nothing_initialises
 from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import (
@@ -97,9 +97,10 @@ from lightning_shard.engine.mixed_precision import (
     parse_dtype,
 )
 from lightning_shard.engine.optimizer_rule import guard_optimizer_steps
+from lightning_shard.engine.option_choices import CpuAllocator, ParamInit, ShardingStrategy
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units, without_reset_parameters
-from lightning_shard.engine.policies import ParamInit, ShardingStrategy, WrapPolicy
+from lightning_shard.engine.policies import WrapPolicy
 from lightning_shard.engine.tensor_parallel import local_tensor, note_tensor_parallel_parts, tensor_parallel_layout
 from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
 from lightning_shard.engine.wrapping import refuse_foreign_sharding

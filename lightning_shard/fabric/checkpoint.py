@@ -28,14 +28,14 @@ from lightning_shard.checkpoint.foreign.torch_files import is_pickle
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
 from lightning_shard.checkpoint.io.agreement import agree
 from lightning_shard.checkpoint.io.index import read_index
-from lightning_shard.checkpoint.io.selection import KeyFilter, ModelSelection, SavedParameters
+from lightning_shard.checkpoint.io.selection import KeyFilter, ModelSelection
 from lightning_shard.checkpoint.io.storage import Location
 from lightning_shard.checkpoint.load.load import load_model, load_safetensors_into
 from lightning_shard.checkpoint.save.background import BackgroundSaver
-from lightning_shard.checkpoint.save.save import StateDictType
 from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS, load_checkpoint, save_checkpoint
 from lightning_shard.checkpoint.tools.consolidate import full_model_state
 from lightning_shard.common.checkpoint import FABRIC_OBJECTS
+from lightning_shard.engine.option_choices import SavedParameters, StateDictType
 from lightning_shard.engine.sharded_module import sharded_module_of
 
 

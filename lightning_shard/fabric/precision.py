@@ -57,11 +57,3 @@ class ShardPrecision(ShardDtypes, Precision):
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return ShardDtypes.state_dict(self)
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        ShardDtypes.load_state_dict(self, state_dict)

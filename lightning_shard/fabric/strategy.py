@@ -13,8 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -25,31 +24,24 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffload
-from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
-from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import _LRScheduler
 from typing_extensions import override
 
-from lightning_shard.checkpoint.io.storage import checked_storage_options, is_url, location
+from lightning_shard.checkpoint.io.storage import location
 from lightning_shard.checkpoint.save.background import BackgroundSaver, refuse_full_layout_in_background
 from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
-from lightning_shard.common.distributed import reduce_tensor
-from lightning_shard.common.options import ShardOptions
+from lightning_shard.common.options import declare_shard_arguments
 from lightning_shard.common.precision import translate_precision
 from lightning_shard.common.preemption import PreemptionWatcher, preemption_signals
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
 from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_local_storage_options, refuse_unpickling
 from lightning_shard.engine.clipping import clip_grads_with_norm_, global_grad_norm
-from lightning_shard.engine.cpu_allocator import CpuAllocator
-from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.policies import GradSync, ParamInit, ShardingStrategy, ShardingStrategyName, WrapPolicySpec
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 from lightning_shard.engine.whole_tensor_step import prepare_optimizer
 from lightning_shard.engine.wrapping import wrap_marks_units
@@ -63,42 +55,36 @@ from lightning_shard.fabric.checkpoint import (
 from lightning_shard.fabric.precision import ShardPrecision
 
 
+@declare_shard_arguments
 class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
     """Fully sharded data parallel training (ZeRO-3) for Lightning Fabric: gloo on CPU, NCCL on GPU.
 
-    Takes the same sharding arguments as the Trainer's ``lightning_shard.ShardStrategy`` (``auto_wrap_policy``,
-    ``sharding_strategy``, ``device_mesh``, ``mixed_precision``, ``activation_checkpointing_policy`` (and its deprecated
-    form ``activation_checkpointing``),
-    ``grad_sync``, ``state_dict_type``, ``cpu_offload``, ``broadcast_buffers``, ``process_group_backend``,
-    ``timeout``, ``param_init``, ``cpu_allocator``, ``storage_options``, and ``FSDPStrategy``'s ``use_orig_params``,
-    ``limit_all_gathers``, ``sync_module_states``), with the same defaults and the same forms (PyTorch FSDP's
-    ``ShardingStrategy``, ``CPUOffload``, ``MixedPrecision`` and wrap policies included); see that class for what
-    each does.
-    In Fabric, ``grad_sync`` applies to micro-batches run under ``fabric.no_backward_sync(model)``, and
-    ``param_init="empty"`` leaves a model built under ``fabric.init_module(empty_init=True)`` for ``fabric.load_raw``
-    to fill.
+    Takes the sharding arguments of the Trainer's ``lightning_shard.ShardStrategy`` (below, after two of its own),
+    with the same defaults and the same forms (PyTorch FSDP's ``ShardingStrategy``, ``CPUOffload``,
+    ``MixedPrecision`` and wrap policies included).
 
-    ``async_save=True`` writes ``fabric.save`` checkpoints in the background (Fabric's counterpart of the
-    Trainer's ``AsyncCheckpointIO`` plugin): ``fabric.save`` returns once each rank has copied its rows aside (at
-    most this rank's shard of the model and optimizer state, in CPU memory), the directory appears atomically once
-    every rank has written its file, and at most one save is in flight. The next ``fabric.save`` or
-    ``fabric.load``, ``strategy.wait_for_save()``, teardown and the end of the process wait for it; a failure of
-    the background write is raised there on every rank (at the end of the process: printed, exit status 1).
-
-    ``tensor_parallel_size`` and ``data_parallel_size`` are the Trainer strategy's; ``parallelize_fn(module,
-    device_mesh)`` (the function Fabric's ``ModelParallelStrategy`` takes, without its ``fully_shard`` calls) applies
-    the tensor-parallel plan in ``setup_module`` on ``strategy.device_mesh``, the ``("data_parallel",
-    "tensor_parallel")`` mesh, before the strategy shards the model (see docs/tensor_parallel.md).
-    ``context_parallel_size`` is the Trainer strategy's too: each call of the set-up module splits its arguments'
-    sequences and is one step (see docs/context_parallel.md); a loss computed from its output outside the call is
-    this rank's part of the sequence's. ``pipeline_parallel_size`` (with ``pipeline_schedule``, ``microbatches``,
-    ``pipeline_split_points``) is the Trainer strategy's too: each call of the set-up module runs the schedule and
-    returns the whole output on every rank; ``fabric.backward`` of a loss computed from it runs the stages' backward
-    (see docs/pipeline_parallel.md).
+    ``context_parallel_size > 1``: each call of the set-up module splits its arguments' sequences and is one step
+    (see docs/context_parallel.md); a loss computed from its output outside the call is this rank's part of the
+    sequence's. ``pipeline_parallel_size > 1``: each call of the set-up module runs the schedule and returns the
+    whole output on every rank; ``fabric.backward`` of a loss computed from it runs the stages' backward (see
+    docs/pipeline_parallel.md).
 
     Set up the model with ``fabric.setup_module(model)`` and create the optimizer from the returned model's
     parameters (this rank's shards) before ``fabric.setup_optimizers(optimizer)``; ``fabric.setup(model,
     optimizer)`` also works while the optimizer has no state yet (its parameters are swapped for the shards).
+
+    Args:
+        async_save: ``True`` writes ``fabric.save`` checkpoints in the background (Fabric's counterpart of the
+            Trainer's ``AsyncCheckpointIO`` plugin): ``fabric.save`` returns once each rank has copied its rows
+            aside (at most this rank's shard of the model and optimizer state, in CPU memory), the directory
+            appears atomically once every rank has written its file, and at most one save is in flight. The next
+            ``fabric.save`` or ``fabric.load``, ``strategy.wait_for_save()``, teardown and the end of the process
+            wait for it; a failure of the background write is raised there on every rank (at the end of the
+            process: printed, exit status 1). Default ``False``.
+        parallelize_fn: ``parallelize_fn(module, device_mesh)`` (the function Fabric's ``ModelParallelStrategy``
+            takes, without its ``fully_shard`` calls) applies the tensor-parallel plan in ``setup_module`` on
+            ``strategy.device_mesh``, the ``("data_parallel", "tensor_parallel")`` mesh, before the strategy shards
+            the model (see docs/tensor_parallel.md). Default ``None``: no plan.
     """
 
     def __init__(
@@ -108,34 +94,10 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = None,
-        auto_wrap_policy: WrapPolicySpec = None,
-        sharding_strategy: ShardingStrategyName | ShardingStrategy | TorchShardingStrategy = "FULL_SHARD",
-        device_mesh: tuple[int, int] | None = None,
-        mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
-        activation_checkpointing_policy: WrapPolicySpec = None,
-        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
-        grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        save_trainable_only: bool = False,
-        cpu_offload: bool | CPUOffload = False,
-        broadcast_buffers: bool = True,
-        param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
-        cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
-        storage_options: dict[str, Any] | None = None,
+        *,
         async_save: bool = False,
-        use_orig_params: bool = True,
-        limit_all_gathers: bool = True,
-        sync_module_states: bool = True,
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int | Literal["auto"] = "auto",
-        context_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        pipeline_schedule: Literal["1F1B", "gpipe"] = "1F1B",
-        microbatches: int | None = None,
-        pipeline_split_points: list[str] | None = None,
+        **arguments: Any,
     ) -> None:
         if checkpoint_io is not None:
             _refuse_checkpoint_io(checkpoint_io)
@@ -145,45 +107,15 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self.options = ShardOptions.parse(
-            auto_wrap_policy=auto_wrap_policy,
-            sharding_strategy=sharding_strategy,
-            device_mesh=device_mesh,
-            mixed_precision=mixed_precision,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            activation_checkpointing=activation_checkpointing,
-            grad_sync=grad_sync,
-            state_dict_type=state_dict_type,
-            save_trainable_only=save_trainable_only,
-            cpu_offload=cpu_offload,
-            broadcast_buffers=broadcast_buffers,
-            param_init=param_init,
-            cpu_allocator=cpu_allocator,
-            use_orig_params=use_orig_params,
-            limit_all_gathers=limit_all_gathers,
-            sync_module_states=sync_module_states,
-            timeout=timeout,
-            process_group_backend=process_group_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            context_parallel_size=context_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            pipeline_schedule=pipeline_schedule,
-            microbatches=microbatches,
-            pipeline_split_points=pipeline_split_points,
-        )
+        self._take_arguments(arguments)
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")
         if async_save:
             refuse_full_layout_in_background(self.options.state_dict_type, "async_save=True", "async_save=False")
         self._parallelize_fn = parallelize_fn
         self._async_save = async_save
-        self._storage_options = checked_storage_options(storage_options)
-        self._saver = BackgroundSaver()
         self._num_nodes = 1
-        self._process_group_backend = process_group_backend
         self._backward_sync_control = _ShardBackwardSyncControl(self)
-        self._mesh: ShardMesh | None = None
         self._engines: list[ShardedModule] = []  # one per module set up, in order
         self._preemption: PreemptionWatcher | None = None  # watching from the first preemption_requested() on
 
@@ -351,16 +283,6 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         clip_grads_with_norm_(shards, float(max_norm), norm)
         return norm
 
-    # Collectives #
-
-    @override
-    def all_reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return reduce_tensor(tensor, group, reduce_op)
-        return tensor
-
     # State dicts (see [Note: state dicts of a sharded model]) #
 
     @override
@@ -411,7 +333,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         refuse_local_storage_options(path, storage_options)
         selection = fabric_model_selection(state, filter, self.options.saved_parameters)
         url = self.broadcast(os.fspath(path))
-        target = location(url, storage_options or (self._storage_options if is_url(url) else None))
+        target = location(url, storage_options or self._url_options(url))
         if self._async_save:
             # see [Note: background saves]
             save_fabric_state(target, state, self.options.state_dict_type, self._saver, selection, filter)
@@ -439,7 +361,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
         refuse_unpickling(weights_only)
         self._saver.wait()  # a background save of this very path must have finished
         url = self.broadcast(os.fspath(path))
-        directory = location(url, self._storage_options if is_url(url) else None)
+        directory = location(url, self._url_options(url))
         if isinstance(state, nn.Module):
             load_raw_into(directory, state, strict)
             return {}

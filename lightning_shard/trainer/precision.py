@@ -70,16 +70,6 @@ class ShardPrecision(ShardDtypes, Precision):
             raise RuntimeError("ShardPrecision clips by norm only under ShardStrategy, after the Trainer set it up.")
         self.clip_norm_fn(optimizer, float(clip_val))
 
-    # Checkpoint #
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return ShardDtypes.state_dict(self)
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        ShardDtypes.load_state_dict(self, state_dict)
-
 
 def as_shard_precision(plugin: Precision | None) -> ShardPrecision | None:
     """Accept a ShardPrecision, or translate the plugin Lightning picked from ``Trainer(precision=...)``."""

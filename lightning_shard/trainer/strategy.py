@@ -7,8 +7,7 @@ import logging
 import os
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -24,35 +23,23 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.fsdp import CPUOffload
-from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
-from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint.io.selection import MODEL_SELECTION_KEY, ModelSelection
-from lightning_shard.checkpoint.io.storage import checked_storage_options, is_url, location
-from lightning_shard.checkpoint.save.background import BackgroundSaver, refuse_full_layout_in_background
-from lightning_shard.checkpoint.save.save import StateDictType, save_checkpoint_dir
+from lightning_shard.checkpoint.io.storage import location
+from lightning_shard.checkpoint.save.background import refuse_full_layout_in_background
+from lightning_shard.checkpoint.save.save import save_checkpoint_dir
 from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict, state_dicts_available
-from lightning_shard.common.distributed import reduce_tensor
-from lightning_shard.common.options import ShardOptions
+from lightning_shard.common.options import declare_shard_arguments
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module
 from lightning_shard.common.strategy_base import ShardStrategyMixin, refuse_local_storage_options, refuse_unpickling
 from lightning_shard.engine.clipping import clip_grad_norm_
 from lightning_shard.engine.compile import refuse_compiled_root
-from lightning_shard.engine.cpu_allocator import CpuAllocator
 from lightning_shard.engine.memory import MemoryReport, memory_report
-from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
-from lightning_shard.engine.policies import (
-    GradSync,
-    ParamInit,
-    ShardingStrategy,
-    ShardingStrategyName,
-    WrapPolicySpec,
-)
+from lightning_shard.engine.option_choices import StateDictType
 from lightning_shard.engine.progress import note_step
 from lightning_shard.engine.sharded_module import ShardedModule
 from lightning_shard.engine.torch_norms import warn_if_lightning_grad_norm
@@ -75,6 +62,7 @@ from lightning_shard.trainer.weight_averaging import adopt_weight_averaging, bui
 log = logging.getLogger(__name__)
 
 
+@declare_shard_arguments
 class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     """Fully sharded data parallel training (ZeRO-3) on ``torch.distributed``: gloo on CPU, NCCL on GPU.
 
@@ -82,83 +70,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     rank's rows of each parameter as ordinary ``nn.Parameter``s under their original names, so any
     ``torch.optim`` optimizer and parameter groups built by name work unchanged.
 
-    Args:
-        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"`` or ``"HYBRID_SHARD"``
-            (or the member of that name of ``lightning_shard.ShardingStrategy`` or of PyTorch's FSDP enum).
-        auto_wrap_policy: which modules become sharding units (gathered and reduced together): a set of module
-            classes or class names (``{"GPT2Block"}``), a callable ``(module, name) -> bool``, or an int minimum
-            parameter count; PyTorch FSDP's policies (``ModuleWrapPolicy``, ``functools.partial`` of
-            ``size_based_auto_wrap_policy``...) select what FSDP would wrap. The root holds whatever no unit claims.
-            ``None``: the whole model is one unit. Modules passed to PyTorch's ``wrap()`` in ``configure_model`` (or
-            to ``lightning_shard.mark_unit``) are units as well, unwrapped (see [Note: manual units]).
-        device_mesh: ``(replicas, shard_size)`` for ``"HYBRID_SHARD"``: shard inside groups of ``shard_size``
-            ranks, replicate across ``replicas`` groups. Default for ``"HYBRID_SHARD"``: ``(num_nodes, devices)``.
-        mixed_precision: explicit dtypes (``MixedPrecision``, or PyTorch FSDP's, translated field by field) for
-            gathering, computing and reducing; overrides what the Trainer's ``precision`` implies (``"bf16-mixed"``:
-            gather and compute in bf16, reduce in fp32).
-        activation_checkpointing_policy: module classes or class names (as ``auto_wrap_policy``) whose activations
-            are recomputed in backward instead of stored.
-        activation_checkpointing: deprecated, as in ``FSDPStrategy``: a module class or a list of them, taken as
-            ``activation_checkpointing_policy`` with a deprecation warning.
-        grad_sync: with ``accumulate_grad_batches`` > 1, ``"microbatch"`` (default) reduce-scatters after every
-            micro-batch, keeping gradients sharded; ``"step"`` accumulates full gradients locally and reduces once
-            per optimizer step (less communication, more memory).
-        state_dict_type: ``"sharded"`` (default): checkpoints are directories where every rank writes its own rows
-            in safetensors; ``"full"``: rank 0 streams the gathered model into one ``model.safetensors`` (and the
-            optimizer into ``optimizer.safetensors``). Both load at any world size.
-        save_trainable_only: checkpoints hold only the parameters that require grad (and every buffer) and their
-            optimizer state: a LoRA fine-tune writes its adapters, not the frozen base. Resuming needs the frozen
-            weights restored from where they came from (a pretrained import in ``configure_model`` or
-            ``on_fit_start``): the checkpoint records a fingerprint of each weight it leaves out, and the first
-            forward after the load raises, naming them, if they do not hold those values (see
-            docs/user_guide.md, "Adapter-only checkpoints").
-        cpu_offload: keep parameter shards, gradients and optimizer state in CPU memory and run the optimizer step
-            on the CPU; each unit's weights are uploaded to the GPU when it is gathered. Frees GPU memory at the
-            cost of host-device copies every step. On a CPU device it changes nothing (a warning says so).
-            PyTorch's ``CPUOffload(offload_params=...)`` stands for its flag.
-        broadcast_buffers: as DDP's ``broadcast_buffers`` (``forward_sync_buffers``): ``True`` (default) overwrites
-            every rank's buffers (BatchNorm statistics) with global rank 0's at the start of each forward that
-            follows a training forward, in one broadcast; ``False`` leaves each rank's buffers to evolve from its
-            own data. Either way all ranks start from rank 0's buffers when the model is set up.
-        param_init: how parameters built on the meta device (in ``configure_model``) get their first values:
-            ``"reset_parameters"`` (default) runs each module's ``reset_parameters()`` one unit at a time;
-            ``"empty"`` leaves them uninitialised for pretrained weights loaded in ``on_fit_start`` to fill (no
-            unit is materialised in full, so the import holds only this rank's shards); a forward before every
-            such parameter is loaded raises naming the missing ones.
-        cpu_allocator: what training on CPU does to the process's C allocator (glibc on Linux): ``"reuse"``
-            (default) keeps large freed blocks (autograd's weight gradients, optimizer temporaries) in the heap
-            for the next request instead of returning them to the kernel, which at a billion parameters saved
-            over a million page faults a step; ``"system"`` leaves the allocator as it is. Ignored when the
-            environment already sets glibc's malloc (``MALLOC_*_``, ``GLIBC_TUNABLES``) or preloads another
-            allocator.
-        tensor_parallel_size: ranks that split each layer by a tensor-parallel plan (default 1: none). With ``T >
-            1`` the strategy builds ModelParallelStrategy's ``("data_parallel", "tensor_parallel")`` mesh, handed to
-            ``configure_model`` as ``self.device_mesh``; apply the plan there (``parallelize_module`` on
-            ``self.device_mesh["tensor_parallel"]``, without ``fully_shard``) and the strategy shards each rank's
-            part over the data-parallel ranks (see docs/tensor_parallel.md).
-        data_parallel_size: ``"auto"`` (default): the world size divided by ``context_parallel_size`` x
-            ``tensor_parallel_size``; an int must make the product the world size.
-        context_parallel_size: ranks that split each batch's sequences (default 1: none). With ``C > 1`` the mesh
-            is ``("data_parallel", "context_parallel", "tensor_parallel")`` (``self.device_mesh``), the ranks of one
-            context-parallel group see the same batches and each keeps its part of every sequence tensor (dim 1 of
-            every batch tensor of two or more dimensions, with the causal load balance), attention
-            (``scaled_dot_product_attention``) sees the whole sequence, ``cross_entropy`` is the whole sequence's,
-            and parameters shard over the data x context ranks (see docs/context_parallel.md).
-        pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points: ``P > 1`` splits the
-            model's blocks (by ``auto_wrap_policy``, or its longest list of repeated blocks) into ``P`` stages on
-            consecutive groups of ranks, each sharded over its data-parallel ranks; every call of the model runs
-            ``microbatches`` (default ``P``) microbatches through the stages by ``"1F1B"`` (default) or
-            ``"gpipe"``, and returns the whole output on every rank (see docs/pipeline_parallel.md).
-            ``pipeline_split_points``: the blocks where stages 1.. begin.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo for CPU and NCCL for CUDA.
-        timeout: how long a rank waits for the others in any collective before it raises ``StalledRanksError``
-            naming the ranks that did not arrive and what it waited for. Default (``None``): 10 minutes.
-        storage_options: fsspec options (a dict) for every checkpoint URL the strategy saves, loads or removes
-            (``s3://...``: endpoint, credentials); a ``save_checkpoint(..., storage_options=...)`` call may give its
-            own. Local paths take none. Default: the protocol's own configuration (environment variables).
-        use_orig_params, limit_all_gathers, sync_module_states: taken for code written for ``FSDPStrategy``.
-            ``True`` is what ShardStrategy always does (the optimizer sees each parameter's own shard; at most two
-            units are gathered at once; the initial weights are broadcast from rank 0); ``False`` is refused.
+    Besides Lightning's own arguments, which the Trainer fills in, it takes the sharding arguments below, by keyword;
+    Fabric's ``lightning_shard.fabric.ShardStrategy`` takes the same.
     """
 
     strategy_name = "shard"
@@ -171,32 +84,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = None,
-        auto_wrap_policy: WrapPolicySpec = None,
-        sharding_strategy: ShardingStrategyName | ShardingStrategy | TorchShardingStrategy = "FULL_SHARD",
-        device_mesh: tuple[int, int] | None = None,
-        mixed_precision: MixedPrecision | TorchMixedPrecision | None = None,
-        activation_checkpointing_policy: WrapPolicySpec = None,
-        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
-        grad_sync: Literal["microbatch", "step"] | GradSync = "microbatch",
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        save_trainable_only: bool = False,
-        cpu_offload: bool | CPUOffload = False,
-        broadcast_buffers: bool = True,
-        param_init: Literal["reset_parameters", "empty"] | ParamInit = "reset_parameters",
-        cpu_allocator: Literal["reuse", "system"] | CpuAllocator = "reuse",
-        storage_options: dict[str, Any] | None = None,
-        use_orig_params: bool = True,
-        limit_all_gathers: bool = True,
-        sync_module_states: bool = True,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int | Literal["auto"] = "auto",
-        context_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        pipeline_schedule: Literal["1F1B", "gpipe"] = "1F1B",
-        microbatches: int | None = None,
-        pipeline_split_points: list[str] | None = None,
+        **arguments: Any,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -206,37 +94,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self.options = ShardOptions.parse(
-            auto_wrap_policy=auto_wrap_policy,
-            sharding_strategy=sharding_strategy,
-            device_mesh=device_mesh,
-            mixed_precision=mixed_precision,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            activation_checkpointing=activation_checkpointing,
-            grad_sync=grad_sync,
-            state_dict_type=state_dict_type,
-            save_trainable_only=save_trainable_only,
-            cpu_offload=cpu_offload,
-            broadcast_buffers=broadcast_buffers,
-            param_init=param_init,
-            cpu_allocator=cpu_allocator,
-            use_orig_params=use_orig_params,
-            limit_all_gathers=limit_all_gathers,
-            sync_module_states=sync_module_states,
-            timeout=timeout,
-            process_group_backend=process_group_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            context_parallel_size=context_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            pipeline_schedule=pipeline_schedule,
-            microbatches=microbatches,
-            pipeline_split_points=pipeline_split_points,
-        )
-        self._storage_options = checked_storage_options(storage_options)
-        self._saver = BackgroundSaver()  # used with plugins=[AsyncCheckpointIO()]
-        self._mesh: ShardMesh | None = None
+        self._take_arguments(arguments)  # the saver serves plugins=[AsyncCheckpointIO()]
         self._engine: ShardedModule | None = None
         self._saves = TrainerSaves()  # see [Note: a Trainer save gathers nothing it does not write]
 
@@ -282,7 +140,7 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     def find_last_checkpoint(self, trainer: pl.Trainer) -> str | None:
         """Where ``fit(ckpt_path="last")`` resumes from when a ``ModelCheckpoint`` saves to a URL (``None``: leave it
         to Lightning); see [Note: "last" on object storage]."""
-        return newest_last_checkpoint(trainer, self._storage_options)
+        return newest_last_checkpoint(trainer, self.options.storage_options)
 
     @override
     def setup_environment(self) -> None:
@@ -429,10 +287,8 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        """Reduce ``tensor`` over all ranks (mean by default); non-tensors are returned unchanged."""
-        if isinstance(tensor, Tensor):
-            return reduce_tensor(tensor, group, reduce_op)
-        return tensor
+        """The Trainer's name for ``all_reduce``."""
+        return self.all_reduce(tensor, group, reduce_op)
 
     # Checkpoints: directories of safetensors and JSON (see docs/checkpoint_format.md) #
 
@@ -487,10 +343,6 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
         else:
             self._saver.wait()
             save_checkpoint_dir(*args)
-
-    def _url_options(self, path: _PATH) -> dict[str, Any] | None:
-        """The strategy's ``storage_options`` for ``path`` when it is a URL (a local path takes none)."""
-        return self._storage_options if is_url(path) else None
 
     def _fitting(self) -> bool:
         """Whether a fit is running (saves after it ended are synchronous: nothing would wait for them)."""

@@ -49,7 +49,8 @@ from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_i
 from lightning_shard.checkpoint.io.storage import local_only
 from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter, sha256_file
 from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
-from lightning_shard.checkpoint.save.save import StateDictType, index_head, write_trainer_state
+from lightning_shard.checkpoint.save.save import index_head, write_trainer_state
+from lightning_shard.engine.option_choices import StateDictType
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"

@@ -17,7 +17,6 @@ device and never loaded is refused by the check for uninitialised parameters fir
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError
 from lightning_shard.checkpoint.io.agreement import agree, broadcast_str
 from lightning_shard.engine.fingerprints import Fingerprint, fingerprints
+from lightning_shard.engine.option_choices import SavedParameters
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule
 
@@ -35,13 +35,6 @@ MODEL_SELECTION_KEY = "lightning_shard_model_selection"  # the checkpoint dict's
 _CHECK_NAME = "weights a checkpoint left out"
 
 KeyFilter = Callable[[str, Any], bool]
-
-
-class SavedParameters(enum.Enum):
-    """Which of the model's parameters a save writes (a filter may leave more out)."""
-
-    ALL = "all"
-    TRAINABLE = "trainable"  # those that require grad (save_trainable_only=True)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ non-empty directory without ``index.json``) is refused on every rank before anyt
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import shutil
 import tempfile
@@ -82,23 +81,12 @@ from lightning_shard.checkpoint.save.index_entries import (
 from lightning_shard.checkpoint.save.optimizer_entries import optimizer_entries
 from lightning_shard.checkpoint.save.tensor_parallel import tensor_parallel_piece
 from lightning_shard.checkpoint.save.whole import Held, Local, Rows, exchange_rows, shard_file_tensors
+from lightning_shard.engine.option_choices import StateDictType
 from lightning_shard.engine.parallel.pipeline import StageSplit
 from lightning_shard.engine.param_shard import ShardedParam
-from lightning_shard.engine.policies import parse_choice
 from lightning_shard.engine.sharded_module import ShardedModule
 
 T = TypeVar("T")
-
-
-class StateDictType(enum.Enum):
-    """How ``trainer.save_checkpoint`` lays out model and optimizer tensors."""
-
-    SHARDED = "sharded"  # every rank writes its own rows; loads at any world size
-    FULL = "full"  # gathered one tensor at a time and streamed by rank 0 into model/optimizer.safetensors
-
-    @classmethod
-    def parse(cls, value: StateDictType | str) -> StateDictType:
-        return parse_choice(cls, value, "state_dict_type")
 
 
 def save_checkpoint_dir(

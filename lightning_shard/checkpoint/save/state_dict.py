@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.save.save import StateDictType
+from lightning_shard.engine.option_choices import StateDictType
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.progress import about
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of

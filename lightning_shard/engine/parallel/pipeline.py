@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 
+from lightning_shard.engine.option_choices import PipelineSchedule
 from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 from lightning_shard.engine.parallel.pipeline_support import unsupported_blocks
 from lightning_shard.engine.parallel.pipeline_ties import TiedAcrossStages, TiedParameter, ties_across_stages
@@ -56,33 +56,6 @@ from lightning_shard.engine.parallel.pipeline_ties import TiedAcrossStages, Tied
 class PipelineError(ValueError):
     """A model, a batch or a configuration that pipeline parallelism cannot split."""
 
-
-class PipelineSchedule(str, Enum):
-    """The order in which each stage runs its microbatches' forwards and backwards."""
-
-    GPIPE = "gpipe"
-    """Every microbatch forward, then every backward; each stage holds all ``M`` microbatches' activations."""
-    ONE_F_ONE_B = "1F1B"
-    """After ``P - s - 1`` warm-up forwards, stage ``s`` alternates one forward and one backward; see [Note: the
-    whole output on every rank] for the forward it repeats."""
-
-    @classmethod
-    def parse(cls, value: str | PipelineSchedule) -> PipelineSchedule:
-        for member in cls:
-            if value == member or (isinstance(value, str) and value.lower() == member.value.lower()):
-                return member
-        offered = ", ".join(repr(m.value) for m in cls)
-        if isinstance(value, str) and value.lower().replace("_", "") in _SCHEDULES_OF_SEVERAL_STAGES_PER_RANK:
-            raise ValueError(
-                f"pipeline_schedule={value!r} runs several stages on each rank, and each rank holds one stage here:"
-                f" use one of {offered} (more microbatches shrink their bubble)."
-            )
-        raise ValueError(f"pipeline_schedule must be one of {offered}, got {value!r}.")
-
-
-# torch.distributed.pipelining's and torchtitan's names of schedules that hold several stages per rank
-_SCHEDULES_OF_SEVERAL_STAGES_PER_RANK = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
-                                         "dualpipev"}  # fmt: skip
 
 # Stages #
 
