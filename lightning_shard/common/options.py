@@ -183,15 +183,21 @@ _PARAMETERS = [
 ]
 
 
-def _takes_shard_arguments(function: F) -> F:
+def _takes_shard_arguments(function: F, lightning_init: Callable[..., Any] | None = None) -> F:
     """Give ``function``, which takes the sharding arguments as ``**arguments``, the signature that names them: its
     own parameters, then each of ``ShardArguments`` as a keyword-only parameter with its annotation and default, as
-    ``inspect.signature`` and ``typing.get_type_hints`` (and so jsonargparse and LightningCLI) read it."""
+    ``inspect.signature`` and ``typing.get_type_hints`` (and so jsonargparse and LightningCLI) read it. Its own
+    parameters written without an annotation are Lightning's, annotated as ``lightning_init`` (the constructor of
+    the Lightning strategy it extends) annotates them."""
     signature = inspect.signature(function)
-    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    lightning_hints = typing.get_type_hints(lightning_init) if lightning_init is not None else {}
+    own = [
+        p.replace(annotation=lightning_hints[p.name]) if p.annotation is p.empty and p.name in lightning_hints else p
+        for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
     function.__signature__ = signature.replace(parameters=[*own, *_PARAMETERS])  # type: ignore[attr-defined]
-    kept = {p.name for p in own} | {"return"}
-    function.__annotations__ = {**{n: h for n, h in function.__annotations__.items() if n in kept}, **_HINTS}
+    hints = {p.name: p.annotation for p in own if p.annotation is not p.empty}
+    function.__annotations__ = {**hints, "return": None, **_HINTS}
     return function
 
 
@@ -199,7 +205,8 @@ def declare_shard_arguments(cls: S) -> S:
     """Class decorator of both front ends' ``ShardStrategy``: ``__init__`` takes the sharding arguments (see
     ``_takes_shard_arguments``), and the docstring documents them, in an ``Args`` section of its own or after the
     front end's own ``Args`` (then its last section)."""
-    _takes_shard_arguments(cls.__dict__["__init__"])  # its own, not an inherited one
+    lightning_init = next(base.__dict__["__init__"] for base in cls.__mro__[1:] if "__init__" in base.__dict__)
+    _takes_shard_arguments(cls.__dict__["__init__"], lightning_init)  # its own, not an inherited one
     text = inspect.cleandoc(cls.__doc__ or "")
     if "\nArgs:\n" not in text:
         text += "\n\nArgs:"

@@ -16,8 +16,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NoReturn
 
 import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -87,26 +86,14 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy, _Sharded):
             the model (see docs/tensor_parallel.md). Default ``None``: no plan.
     """
 
-    def __init__(
-        self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        *,
-        async_save: bool = False,
-        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
-        **arguments: Any,
+    def __init__(  # Lightning's arguments, annotated as Lightning's ParallelStrategy annotates them
+        self, accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
+        precision=None, *, async_save: bool = False,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None, **arguments: Any,
     ) -> None:
         if checkpoint_io is not None:
             _refuse_checkpoint_io(checkpoint_io)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision=precision,
-        )
+        super().__init__(accelerator, parallel_devices, cluster_environment, precision=precision)
         self._take_arguments(arguments)
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")

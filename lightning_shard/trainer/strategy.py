@@ -11,12 +11,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -77,22 +75,11 @@ class ShardStrategy(ShardStrategyMixin, ParallelStrategy):
     strategy_name = "shard"
     _registered_strategies: list[str] = []
 
-    def __init__(
-        self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        **arguments: Any,
+    def __init__(  # Lightning's arguments, annotated as Lightning's ParallelStrategy annotates them
+        self, accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
+        precision_plugin=None, **arguments: Any
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1
         self._take_arguments(arguments)  # the saver serves plugins=[AsyncCheckpointIO()]
         self._engine: ShardedModule | None = None
