@@ -85,7 +85,7 @@ def _worker(
     else:
         model = GPT(*dims)
     if engine == "shard":
-        from lightning_shard.engine.mesh import build_shard_mesh
+        from lightning_shard.engine.parallel.dims import build_shard_mesh
         from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
         from lightning_shard.engine.sharded_module import shard_module
 
