@@ -56,6 +56,7 @@ def _worker(rank: int, port: int, config: dict, out: object) -> None:
     import torch.nn.functional as F
     from train_gpt import GPT, Block
 
+    from lightning_shard.engine import sharded_module_of
     from lightning_shard.engine.parallel.pipeline import measured_bubble
     from lightning_shard.fabric import ShardStrategy
 
@@ -69,7 +70,8 @@ def _worker(rank: int, port: int, config: dict, out: object) -> None:
     model = GPT(VOCAB, SEQ, LAYERS, WIDTH, HEADS)
     module = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(module.parameters(), lr=1e-3))
-    pipeline = getattr(model, "_pipeline", None)
+    stage = sharded_module_of(model).pipeline_stage  # type: ignore[union-attr]
+    pipeline = stage.pipeline if stage is not None else None
     # Every rank of a pipeline sees the global batch; pure sharding splits it over its 2 data-parallel ranks.
     local = BATCH if stages > 1 else BATCH // 2
     tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))

@@ -141,13 +141,14 @@ def test_fabric_trains_as_the_whole_model_when_the_forward_computes_the_loss() -
 
 
 def test_sizes_that_do_not_fill_the_world_are_refused_before_any_process_group() -> None:
-    from lightning_shard.common.distributed import ParallelSizeError, parallel_sizes
+    from lightning_shard.common.distributed import ParallelSizeError, parallel_dims
     from lightning_shard.common.options import ShardOptions
 
     options = ShardOptions.parse(context_parallel_size=2, tensor_parallel_size=2)
-    assert parallel_sizes(options, 1, 8) == (2, 2)
+    dims = parallel_dims(options, 1, 8, rank=0)
+    assert (dims.data, dims.context, dims.tensor) == (2, 2, 2)
     with pytest.raises(ParallelSizeError, match="`context_parallel_size=2`"):
-        parallel_sizes(options, 1, 6)
+        parallel_dims(options, 1, 6, rank=0)
 
 
 def test_activation_checkpointing_with_context_parallelism_is_refused() -> None:

@@ -33,7 +33,7 @@ def _sharded(world_size: int, context: int, tensor: int) -> tuple[CausalLM, Caus
     data-parallel rank."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    dims = ParallelDims.of_world(world_size, context, tensor)
+    dims = ParallelDims.of_world(world_size, context, tensor, rank=torch.distributed.get_rank())
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
     reference, model = CausalLM(), CausalLM()
@@ -42,8 +42,7 @@ def _sharded(world_size: int, context: int, tensor: int) -> tuple[CausalLM, Caus
         for block in model.blocks:
             parallelize_module(block, mesh["tensor_parallel"], tensor_parallel_plan())
     shard_model(model, auto_wrap_policy={Block}, tensor_parallel_size=tensor, device="cpu")
-    rank = torch.distributed.get_rank()
-    return model, reference, ContextParallel.of(mesh["context_parallel"]), dims.data_parallel_rank(rank)
+    return model, reference, ContextParallel.of(mesh["context_parallel"]), dims.data_parallel_rank
 
 
 def steps_against_the_whole_model(rank: int, world_size: int, context: int, tensor: int) -> dict[str, Any]:

@@ -116,11 +116,11 @@ def test_both_front_ends_hand_the_choice_to_the_engine(monkeypatch: pytest.Monke
 
     seen = []
 
-    def fake_shard_module(*args: object, **kwargs: object) -> object:
+    def fake_apply_parallelism(*args: object, **kwargs: object) -> object:
         seen.append(kwargs["cpu_allocator"])
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(setup, "shard_module", fake_shard_module)
+    monkeypatch.setattr(setup, "apply_parallelism", fake_apply_parallelism)
     for choice in ("system", "reuse"):
         with pytest.raises(RuntimeError, match="stop here"):
             setup.setup_sharded_module(nn.Linear(2, 2), ShardOptions.parse(cpu_allocator=choice), None,  # type: ignore[arg-type]

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint.tools.consolidate import inspect
-from lightning_shard.common.setup import repeated_blocks
 from lightning_shard.engine import summon_full_params
+from lightning_shard.engine.parallel.apply import repeated_blocks
 from lightning_shard.engine.parallel.pipeline import PipelineError, StageSplit, prune_to_stage, split_microbatches
 from lightning_shard.engine.policies import ModuleClassWrapPolicy
 from lightning_shard.engine.sharded_module import sharded_module_of

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import atexit
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,15 +19,16 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_shard.common.options import ShardOptions
-from lightning_shard.engine.mesh import ShardMesh, build_shard_mesh, mesh_shape
-from lightning_shard.engine.option_choices import ShardingStrategy
-from lightning_shard.engine.parallel import ContextParallel, ParallelDims
-from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
+from lightning_shard.engine.mesh import ShardMesh
+from lightning_shard.engine.parallel.dims import ParallelDims
+from lightning_shard.engine.parallel.dims import ParallelSizeError as ParallelSizeError  # raised by parallel_dims
 from lightning_shard.engine.progress import RECORD, start_publishing, stop_publishing
 from lightning_shard.engine.stall import bound_waits, rendezvous_timeout, watching
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 T = TypeVar("T")
 
@@ -90,92 +91,27 @@ def reduce_tensor(tensor: Tensor, group: Any | None, reduce_op: ReduceOp | str |
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
-class ParallelSizeError(ValueError, RuntimeError):
-    """``data_parallel_size``, ``context_parallel_size`` and ``tensor_parallel_size`` do not multiply to the world
-    size: a bad argument value (``ValueError``), and the ``RuntimeError`` ``ModelParallelStrategy`` raises for it."""
-
-
-def parallel_sizes(options: ShardOptions, num_nodes: int, num_processes: int) -> tuple[int, int]:
-    """``(data_parallel_size, tensor_parallel_size)`` on ``num_nodes`` x ``num_processes`` ranks (each data-parallel
-    rank holding ``context_parallel_size`` x ``tensor_parallel_size`` ranks); sizes whose product is not the world
-    size raise ``ParallelSizeError``. Needs no process group."""
-    world, tp, cp = num_nodes * num_processes, options.tensor_parallel_size, options.context_parallel_size
-    pp = options.pipeline_parallel_size
-    data_parallel = options.data_parallel_size or world // (pp * cp * tp)
-    if world % (pp * cp * tp) or pp * data_parallel * cp * tp != world:
-        context = f" x `context_parallel_size={cp}`" if cp > 1 else ""
-        context = (f" x `pipeline_parallel_size={pp}`" if pp > 1 else "") + context
-        raise ParallelSizeError(
-            f"The sizes `data_parallel_size={options.data_parallel_size or 'auto'}`{context} and"
-            f" `tensor_parallel_size={tp}` multiplied should equal the world size ({world}). With"
-            f" num_nodes={num_nodes} x devices={num_processes}, choose sizes whose product is {world}, or leave"
-            f" data_parallel_size='auto' with sizes whose product divides {world}."
-        )
-    return data_parallel, tp
+def parallel_dims(options: ShardOptions, num_nodes: int, num_processes: int, rank: int) -> ParallelDims:
+    """The layout ``options`` ask for on ``num_nodes`` x ``num_processes`` ranks, global rank ``rank`` among them;
+    sizes that do not fill the world raise ``ParallelSizeError``, a ``device_mesh`` that does not fit
+    ``ValueError``. Needs no process group."""
+    return ParallelDims.of_world(
+        num_nodes * num_processes, options.context_parallel_size, options.tensor_parallel_size,
+        pipeline=options.pipeline_parallel_size, data=options.data_parallel_size, strategy=options.sharding_strategy,
+        device_mesh=options.device_mesh, num_nodes=num_nodes, rank=rank,
+    )  # fmt: skip
 
 
 def start_mesh(
-    options: ShardOptions,
-    cluster_environment: ClusterEnvironment,
-    num_nodes: int,
-    num_processes: int,
-    device: torch.device,
-    backend: str,
+    dims: ParallelDims, cluster_environment: ClusterEnvironment, device: torch.device, backend: str, timeout: timedelta
 ) -> tuple[ShardMesh, DeviceMesh]:
-    """Initialise the process group (unless one exists) and build this rank's ``(replicas, shard_size)`` mesh, and
-    the ``("data_parallel", "tensor_parallel")`` ``DeviceMesh`` a tensor-parallel plan is applied on (see [Note: the
-    data-parallel ranks under tensor parallelism]; of shape ``(world, 1)`` without tensor parallelism). With
-    ``context_parallel_size > 1`` the ``DeviceMesh`` is ``("data_parallel", "context_parallel", "tensor_parallel")``,
-    the engine shards over the data x context ranks of each tensor-parallel coordinate, and the mesh carries the
-    context parallelism its model's steps run under.
-
-    The meshes are validated on every rank before any collective, so bad sizes cannot hang the others;
-    ``HYBRID_SHARD`` without ``device_mesh`` shards inside a node and replicates across nodes: ``(num_nodes,
-    num_processes / tensor_parallel_size)``.
-    """
-    data_parallel, tp = parallel_sizes(options, num_nodes, num_processes)
-    sharded = data_parallel * options.context_parallel_size  # the ranks the engine shards over: data x context
-    pp = options.pipeline_parallel_size
-    device_mesh = options.device_mesh
-    if options.sharding_strategy is ShardingStrategy.HYBRID_SHARD and device_mesh is None:
-        device_mesh = (num_nodes, sharded // num_nodes) if sharded % num_nodes == 0 else None
-    mesh_shape(options.sharding_strategy, sharded, device_mesh)
-    owns = init_process_group(cluster_environment, backend, options.timeout, device)
-    start_publishing(
-        dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), options.timeout
-    )
-    cp = options.context_parallel_size
-    if cp > 1 or pp > 1:  # ("data_parallel", "context_parallel", "tensor_parallel"), "pipeline_parallel" before
-        tensor_parallel_mesh = ParallelDims(data_parallel, cp, tp, pp).build_mesh(device.type)
-    elif tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        tensor_parallel_mesh = init_device_mesh(
-            device.type, (data_parallel, tp), mesh_dim_names=("data_parallel", "tensor_parallel")
-        )
-    mesh = build_shard_mesh(options.sharding_strategy, device_mesh, backend, tensor_parallel_size=tp,
-                            pipeline_parallel_size=pp)  # fmt: skip
-    if pp > 1:
-        mesh.pipeline = PipelineRanks.of(tensor_parallel_mesh["pipeline_parallel"])
-    if cp > 1:
-        mesh.context_parallel = ContextParallel.of(tensor_parallel_mesh["context_parallel"])
-    elif tp == 1 and pp == 1:
-        tensor_parallel_mesh = _data_parallel_only_mesh(mesh, device.type)
+    """Initialise the process group (unless one exists) and build this rank's mesh in the layout ``dims`` (see
+    ``ParallelDims.build``), and the ``DeviceMesh`` a tensor-parallel plan is applied on. ``dims`` was checked
+    before, on every rank, so bad sizes cannot hang the others."""
+    owns = init_process_group(cluster_environment, backend, timeout, device)
+    start_publishing(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), timeout)
+    mesh, device_mesh = dims.build(device.type, backend)
     if owns:
         for group in mesh.owned_groups:
-            bound_waits(options.timeout, group)
-    return mesh, tensor_parallel_mesh
-
-
-def _data_parallel_only_mesh(mesh: ShardMesh, device_type: str) -> DeviceMesh:
-    """``("data_parallel", "tensor_parallel")`` of shape ``(world, 1)`` without tensor parallelism, as
-    ModelParallelStrategy has it: the default group, and a group of this rank alone created by it alone (no
-    collective; destroyed with the mesh's groups)."""
-    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    mesh.owned_groups.append(alone)
-    layout = torch.arange(dist.get_world_size()).view(-1, 1)
-    world = dist.group.WORLD
-    assert world is not None
-    return DeviceMesh.from_group(
-        [world, alone], device_type, mesh=layout, mesh_dim_names=("data_parallel", "tensor_parallel")
-    )
+            bound_waits(timeout, group)
+    return mesh, device_mesh

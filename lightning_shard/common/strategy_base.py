@@ -16,12 +16,14 @@ from torch import Tensor
 
 from lightning_shard.checkpoint.io.storage import is_url
 from lightning_shard.checkpoint.save.background import BackgroundSaver
-from lightning_shard.common.distributed import barrier, broadcast_object, parallel_sizes, reduce_tensor, start_mesh
+from lightning_shard.common.distributed import barrier, broadcast_object, parallel_dims, reduce_tensor, start_mesh
 from lightning_shard.common.options import ShardOptions, ShardOptionsMixin, check_backend_for_device
 from lightning_shard.engine.mesh import ShardMesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_shard.engine.parallel.dims import ParallelDims
 
 T = TypeVar("T")
 
@@ -62,9 +64,7 @@ class ShardStrategyMixin(ShardOptionsMixin):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data split over the data-parallel ranks: the ranks of one context x tensor-parallel block see the same
         batches (the context-parallel ranks then split each batch's sequences), and so do the stages of one pipeline."""
-        block = self.options.tensor_parallel_size * self.options.context_parallel_size
-        stage = self.num_nodes * self.num_processes // self.options.pipeline_parallel_size  # ranks of one stage
-        return {"num_replicas": stage // block, "rank": (self.global_rank % stage) // block}
+        return self._parallel_dims().sampler_kwargs
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -98,10 +98,14 @@ class ShardStrategyMixin(ShardOptionsMixin):
         """The strategy's ``storage_options`` for ``path`` when it is a URL (a local path takes none)."""
         return self.options.storage_options if is_url(path) else None
 
+    def _parallel_dims(self) -> ParallelDims:
+        """The layout of this rank; see ``parallel_dims``."""
+        return parallel_dims(self.options, self.num_nodes, self.num_processes, self.global_rank)
+
     def _check_parallel_sizes(self) -> None:
-        """Refuse ``data_parallel_size`` x ``tensor_parallel_size`` other than the world size, before any rank is
-        assigned or process group created."""
-        parallel_sizes(self.options, self.num_nodes, self.num_processes)
+        """Refuse parallel sizes whose product is not the world size, and a ``device_mesh`` that does not fit it,
+        before any rank is assigned or process group created."""
+        self._parallel_dims()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -116,7 +120,7 @@ class ShardStrategyMixin(ShardOptionsMixin):
         check_backend_for_device(backend, self.root_device.type)
         assert self.cluster_environment is not None
         self._mesh, self._tensor_parallel_mesh = start_mesh(
-            self.options, self.cluster_environment, self.num_nodes, self.num_processes, self.root_device, backend
+            self._parallel_dims(), self.cluster_environment, self.root_device, backend, self.options.timeout
         )
 
     def all_reduce(

@@ -2,18 +2,19 @@
 script can call it directly (see ``shard_model``).
 
 One concern per module: ``option_choices`` (the named choices of the options: the sharding strategy, gradient
-sync...), ``policies`` (wrap policies), ``mesh`` (which ranks shard and replicate together), ``param_shard`` (one
-parameter's rows and its two faces), ``unit`` and ``reduction`` (a unit's all-gather and its gradient reduction),
-``collectives`` (the collectives as plain functions), ``planning`` (which unit owns which parameter), ``wrapping``
-(units marked by hand; other libraries' sharding wrappers refused), ``diagnostics`` (set-up warnings), ``buffers``
-(buffers that follow DDP), ``sharded_module`` (the engine of one model and its hooks), ``mixed_precision``,
-``grad_scaler``, ``clipping``, ``activation_checkpointing``, ``compile`` (compiled blocks with the sharding hooks
-outside the compiled code), ``cpu_allocator`` (glibc's malloc reusing the large blocks PyTorch frees every step on
-CPU), ``memory`` (what a rank holds), ``estimate`` (what it would hold), ``full_params`` (``summon_full_params``:
-the full weights in memory for a ``with`` block), ``transformers_buffers`` (meta buffers of Hugging Face models
-given their values by the model's own initialisation), ``optimizer_rule`` and ``whole_tensor_step`` (which
-optimizers run on shards, which run each tensor whole on one rank) and ``torch_norms`` (torch's gradient norms over
-whole tensors).
+sync...), ``policies`` (wrap policies), ``parallel`` (the one owner of the layout
+of ranks, ``parallel.dims``, and the parallel dimensions applied in a fixed order), ``mesh`` (this rank's process
+groups: which ranks shard and replicate together), ``param_shard`` (one parameter's rows and its two faces),
+``unit`` and ``reduction`` (a unit's all-gather and its gradient reduction), ``collectives`` (the collectives as
+plain functions), ``planning`` (which unit owns which parameter), ``wrapping`` (units marked by hand; other
+libraries' sharding wrappers refused), ``diagnostics`` (set-up warnings), ``buffers`` (buffers that follow DDP),
+``sharded_module`` (the engine of one model and its hooks), ``mixed_precision``, ``grad_scaler``, ``clipping``,
+``activation_checkpointing``, ``compile`` (compiled blocks with the sharding hooks outside the compiled code),
+``cpu_allocator`` (glibc's malloc reusing the large blocks PyTorch frees every step on CPU), ``memory`` (what a rank
+holds), ``estimate`` (what it would hold), ``full_params`` (``summon_full_params``: the full weights in memory for a
+``with`` block), ``transformers_buffers`` (meta buffers of Hugging Face models given their values by the model's own
+initialisation), ``optimizer_rule`` and ``whole_tensor_step`` (which optimizers run on shards, which run each tensor
+whole on one rank) and ``torch_norms`` (torch's gradient norms over whole tensors).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from torch import Tensor, nn
 
 from lightning_shard.engine.clipping import clip_grad_norm_ as _clip_shards
 from lightning_shard.engine.full_params import summon_full_params
-from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.option_choices import CpuAllocator, ParamInit, ShardingStrategy, ShardingStrategyName
+from lightning_shard.engine.parallel.dims import build_shard_mesh
 from lightning_shard.engine.policies import WrapPolicySpec, resolve_wrap_policy
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
 from lightning_shard.engine.whole_tensor_step import prepare_optimizer as _prepare_optimizer

@@ -39,9 +39,9 @@ import torch
 from torch import nn
 
 from lightning_shard.engine.collectives import CollectivePath, collective_path
-from lightning_shard.engine.mesh import mesh_shape
 from lightning_shard.engine.mixed_precision import check_precision, mixed_precision_for, parse_dtype, true_dtype_for
 from lightning_shard.engine.option_choices import ShardingStrategy
+from lightning_shard.engine.parallel.dims import ParallelDims
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units
 from lightning_shard.engine.policies import WrapPolicySpec, resolve_wrap_policy
@@ -136,21 +136,19 @@ def estimate_memory(
     ``tensor_parallel_plan`` (as ``parallelize_module`` takes it; by default the plan a Hugging Face model's config
     carries) splits count with their local shapes."""
     strategy = ShardingStrategy.parse(sharding_strategy)
+    # HYBRID_SHARD without device_mesh: as on one node, shards over every data-parallel rank
+    dims = ParallelDims.of_world(world_size, tensor=tensor_parallel_size, strategy=strategy, device_mesh=device_mesh,
+                                 num_nodes=1)  # fmt: skip
     local_shapes: dict[int, torch.Size] = {}
     if tensor_parallel_size != 1:
-        if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide world_size={world_size}.")
         if tensor_parallel_plan is None:
             tensor_parallel_plan = hf_tensor_parallel_plan(model)
         local_shapes = planned_local_shapes(model, tensor_parallel_plan, tensor_parallel_size)
-        world_size //= tensor_parallel_size
     if optimizer not in _STATE_TENSORS:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Valid values are: {', '.join(_STATE_TENSORS)}.")
     if backend not in _BACKENDS:
         raise ValueError(f"Unknown backend {backend!r}. Valid values are: {', '.join(_BACKENDS)}.")
-    if strategy is ShardingStrategy.HYBRID_SHARD and device_mesh is None:
-        device_mesh = (1, world_size)
-    _, shard_size = mesh_shape(strategy, world_size, device_mesh)
+    shard_size, data_parallel = dims.shard, dims.column_size
     check_precision(precision)
     true_dtype = true_dtype_for(precision)
     mixed = mixed_precision_for(precision)
@@ -173,12 +171,12 @@ def estimate_memory(
                 reduced += (sp.padded_shard_numel + 1) * shard_size * reduce.itemsize  # its rows and its flag
                 local = math.ceil(sp.rows / shard_size) * sp.row_numel  # rank 0 holds the most rows
                 state += _STATE_TENSORS[optimizer] * local * dtype.itemsize + (4 if optimizer.startswith("adam") else 0)
-        if trainable and world_size > 1:  # the "was used" flags, kept with the reduced gradients (none on one rank)
+        if trainable and data_parallel > 1:  # the "was used" flags, kept with the reduced gradients (none on one rank)
             grads += trainable * dtype.itemsize
         units.append(_UnitBytes(name, unit_full, unit_grads, reduced))
     gathers = not (shard_size == 1 and not mixed and not cpu_offload)
     gathered, largest = _gathered_peak(units, strategy, gathers)
-    temporaries = _temporaries(units, world_size, _reduction_buffers(backend, shard_size))
+    temporaries = _temporaries(units, data_parallel, _reduction_buffers(backend, shard_size))
     return MemoryEstimate(params, grads, state, gathered, largest, cpu_offload, temporaries)
 
 

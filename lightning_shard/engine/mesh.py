@@ -1,10 +1,5 @@
-"""The data-parallel layout of ranks: who shards with whom, and who replicates with whom.
-
-Every sharding strategy is one shape of the same 2-D mesh ``(replicas, shard_size)``:
-``FULL_SHARD``/``SHARD_GRAD_OP`` are ``(1, world)``, ``NO_SHARD`` is ``(world, 1)`` and
-``HYBRID_SHARD`` is whatever ``device_mesh`` says. Rank ``r`` sits at row ``r // shard_size``,
-column ``r % shard_size``: the ranks of one row shard a parameter among themselves (the shard
-group), the ranks of one column hold the same shard and all-reduce its gradient (the replicate group).
+"""This rank's process groups for the layout ``ParallelDims`` works out (see [Note: the parallel layout] in
+``parallel/dims.py``): who shards with whom, and who replicates with whom.
 
 [Note: the DeviceMesh of a ShardMesh]
 State dicts hand out shards as ``DTensor``s, which need the mesh as a ``torch.distributed`` ``DeviceMesh``.
@@ -22,15 +17,6 @@ model outlives its run: the Trainer's teardown destroys the groups this mesh cre
 read after ``fit`` returned. A ``DTensor`` finds its groups by name, so a destroyed group is replaced by a new group
 of the same ranks, created by its members alone; state-dict reads are collective, so every member builds the mesh
 at the same point, in the same order (the replicate axis first).
-
-[Note: the data-parallel ranks under tensor parallelism]
-With ``tensor_parallel_size = T > 1`` the world is the 2-D mesh ``(data_parallel, tensor_parallel)`` that
-Lightning's ``ModelParallelStrategy`` builds: global rank ``g`` sits at data-parallel rank ``g // T`` and
-tensor-parallel rank ``g % T``. The tensor-parallel plan splits each layer over the ``T`` ranks of one row; the
-engine shards each rank's part over the ranks of its column, so a ``ShardMesh`` is the mesh above over those
-``world / T`` data-parallel ranks: ``rank`` and ``world_size`` count data-parallel ranks, its groups are groups of
-the column's global ranks (``global_rank``), and gradients are averaged over the column only. Initial values agree
-with data-parallel rank 0 of the column (every column holds other parts of the tensor-parallel parameters).
 """
 
 from __future__ import annotations
@@ -48,31 +34,27 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_shard.engine.parallel.context import ContextParallel
+    from lightning_shard.engine.parallel.dims import ParallelDims
     from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 
 
 @dataclass
 class ShardMesh:
-    """This rank's place in the ``(replicas, shard_size)`` mesh and the process groups along each axis.
+    """This rank's process groups in the layout ``dims`` (built by ``ParallelDims.build``), and the layout's answers
+    the engine asks for, by name.
 
-    A group is ``None`` when its axis has size 1 (nothing to communicate). With tensor parallelism, ``rank`` and
-    ``world_size`` count the data-parallel ranks of this rank's column (see [Note: the data-parallel ranks under
-    tensor parallelism]).
+    A group is ``None`` when its axis has size 1 (nothing to communicate). ``rank`` and ``world_size`` count the
+    data-parallel ranks of this rank's column (see [Note: the data-parallel ranks under tensor parallelism]).
     """
 
-    rank: int
-    world_size: int
-    replicas: int
-    shard_size: int
-    shard_group: ProcessGroup | None
-    replicate_group: ProcessGroup | None
+    dims: ParallelDims
+    shard_group: ProcessGroup | None = None
+    replicate_group: ProcessGroup | None = None
     # The groups created here that this rank is a member of (its shard and replicate groups), destroyed by
     # ``destroy()``. The groups of other rows and columns are created too (every rank must call ``new_group`` for
     # each), but this rank holds only a placeholder for them: no timeout to set, nothing to destroy.
     owned_groups: list[ProcessGroup] = field(default_factory=list)
     shard_backend: str | None = None  # the shard group's backend, recorded while the group is registered
-    tensor_parallel_size: int = 1
-    tensor_parallel_rank: int = 0
     # Every data-parallel rank of this column, when neither axis is all of them (HYBRID_SHARD under tensor
     # parallelism) or the column is this rank alone (one data-parallel rank); see ``data_parallel_group``.
     column_data_parallel_group: ProcessGroup | None = None
@@ -85,23 +67,54 @@ class ShardMesh:
     # reduce over them as over data-parallel ones); ``None`` without context parallelism.
     context_parallel: ContextParallel | None = None
     # This rank's pipeline group (the mesh's ranks are those of one stage); ``None`` without pipeline parallelism.
-    pipeline_parallel_size: int = 1
     pipeline: PipelineRanks | None = None
-    stage_offset: int = 0  # the global rank of the stage's first rank
     _device_mesh: _DeviceMeshCache | None = field(default=None, init=False, repr=False, compare=False)
+
+    # The layout, as ``dims`` answers #
+
+    @property
+    def rank(self) -> int:
+        return self.dims.column_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.column_size
+
+    @property
+    def replicas(self) -> int:
+        return self.dims.replicas
+
+    @property
+    def shard_size(self) -> int:
+        return self.dims.shard
 
     @property
     def shard_rank(self) -> int:
         """This rank's index inside its shard group: which rows of each parameter it holds."""
-        return self.rank % self.shard_size
+        return self.dims.shard_rank
 
     @property
     def replicate_rank(self) -> int:
-        return self.rank // self.shard_size
+        return self.dims.replicate_rank
 
-    def global_rank(self, data_parallel_rank: int) -> int:
-        """The global rank of data-parallel rank ``data_parallel_rank`` of this rank's column."""
-        return self.stage_offset + data_parallel_rank * self.tensor_parallel_size + self.tensor_parallel_rank
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.dims.tensor
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self.dims.tensor_rank
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.dims.pipeline
+
+    @property
+    def stage_offset(self) -> int:
+        """The global rank of the first rank of this rank's stage (0 without pipeline parallelism)."""
+        return self.dims.stage_offset
+
+    # Groups #
 
     @property
     def data_parallel_group(self) -> ProcessGroup | None:
@@ -120,6 +133,17 @@ class ShardMesh:
         """The ranks whose buffers agree with their first rank's: every rank (``None``), or under pipeline
         parallelism this stage's data-parallel ranks (each stage holds its own modules' buffers)."""
         return self.data_parallel_group if self.pipeline is not None else None
+
+    def new_groups(self, members: list[list[int]], backend: str | None) -> ProcessGroup | None:
+        """Create a process group of each of ``members`` (global ranks; every rank creates every group, in the same
+        order: ``new_group``'s rule); return the one holding this rank, kept in ``owned_groups``, or ``None``."""
+        mine = None
+        for ranks in members:
+            group = dist.new_group(ranks, backend=backend)
+            if self.dims.rank in ranks:
+                mine = group
+                self.owned_groups.append(group)
+        return mine
 
     def destroy(self) -> None:
         """Destroy the sub-groups this mesh created (never the default group)."""
@@ -174,9 +198,8 @@ class _DeviceMeshCache:
         from torch.distributed.device_mesh import DeviceMesh
 
         own: list[ProcessGroup] = []
-        first = mesh.replicate_rank * mesh.shard_size
-        row = [mesh.global_rank(r) for r in range(first, first + mesh.shard_size)]
-        column = [mesh.global_rank(r) for r in range(mesh.shard_rank, mesh.world_size, mesh.shard_size)]
+        grid = mesh.dims.grid()  # this column's global ranks, (replicas, shard_size)
+        row, column = grid[mesh.replicate_rank], [ranks[mesh.shard_rank] for ranks in grid]
         alone = mesh.tensor_parallel_size == 1 and mesh.pipeline_parallel_size == 1
         world = dist.group.WORLD if alone else None  # the default group is all the ranks
 
@@ -197,10 +220,8 @@ class _DeviceMeshCache:
                 device_mesh = DeviceMesh.from_group(used[0], device_type, mesh_dim_names=("replicate",))
             case ShardingStrategy.HYBRID_SHARD:
                 used = [live(mesh.replicate_group, column), live(mesh.shard_group, row)]
-                layout = torch.tensor([mesh.global_rank(r) for r in range(mesh.world_size)])
-                layout = layout.view(mesh.replicas, mesh.shard_size)
                 device_mesh = DeviceMesh.from_group(
-                    used, device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
+                    used, device_type, mesh=torch.tensor(grid), mesh_dim_names=("replicate", "shard")
                 )
             case _:
                 raise AssertionError(strategy)
@@ -214,92 +235,3 @@ def _is_registered(group: ProcessGroup) -> bool:
     except (KeyError, ValueError, RuntimeError):
         return False
     return True
-
-
-def mesh_shape(strategy: ShardingStrategy, world_size: int, device_mesh: tuple[int, int] | None) -> tuple[int, int]:
-    """The ``(replicas, shard_size)`` shape for ``strategy``; raises ``ValueError`` if ``device_mesh`` cannot fit."""
-    if device_mesh is not None:
-        if (
-            not isinstance(device_mesh, (tuple, list))
-            or len(device_mesh) != 2
-            or not all(isinstance(n, int) and n > 0 for n in device_mesh)
-        ):
-            raise ValueError(
-                f"device_mesh must be a pair of positive ints (replicas, shard_size), got {device_mesh!r}."
-            )
-        replicas, shard_size = device_mesh
-        if replicas * shard_size != world_size:
-            raise ValueError(
-                f"device_mesh={tuple(device_mesh)} covers {replicas * shard_size} ranks but the world size is"
-                f" {world_size}. Choose (replicas, shard_size) with replicas * shard_size == {world_size}."
-            )
-    match strategy:
-        case ShardingStrategy.FULL_SHARD | ShardingStrategy.SHARD_GRAD_OP:
-            if device_mesh is not None and device_mesh[0] != 1:
-                raise ValueError(
-                    f"device_mesh={tuple(device_mesh)} replicates across {device_mesh[0]} groups, which only"
-                    f" HYBRID_SHARD does; use sharding_strategy='HYBRID_SHARD' or drop device_mesh."
-                )
-            return 1, world_size
-        case ShardingStrategy.NO_SHARD:
-            return world_size, 1
-        case ShardingStrategy.HYBRID_SHARD:
-            if device_mesh is None:
-                raise ValueError(
-                    "HYBRID_SHARD needs device_mesh=(replicas, shard_size), e.g. (num_nodes, devices_per_node)."
-                )
-            return int(device_mesh[0]), int(device_mesh[1])
-    raise AssertionError(strategy)
-
-
-def build_shard_mesh(
-    strategy: ShardingStrategy,
-    device_mesh: tuple[int, int] | None,
-    backend: str | None = None,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-) -> ShardMesh:
-    """Create the process groups of the mesh (over the data-parallel ranks of this rank's tensor-parallel column when
-    ``tensor_parallel_size > 1``, and of this rank's pipeline stage when ``pipeline_parallel_size > 1``: stage ``s``
-    holds the global ranks ``s * W / P`` to ``(s + 1) * W / P - 1``). Collective: every rank must call it, in the
-    same order."""
-    world, tp, pp = dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size
-    if tp < 1 or pp < 1 or world % (tp * pp):
-        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} does not divide the world {world}.")
-    stage, global_rank = divmod(dist.get_rank(), world // pp)  # the rank inside its stage
-    world //= pp
-    replicas, shard_size = mesh_shape(strategy, world // tp, device_mesh)
-    mesh = ShardMesh(global_rank // tp, world // tp, replicas, shard_size, shard_group=None, replicate_group=None,
-                     tensor_parallel_size=tp, tensor_parallel_rank=global_rank % tp, pipeline_parallel_size=pp,
-                     stage_offset=stage * world)
-
-    def groups(members: list[list[int]], mine: int) -> ProcessGroup:
-        """Every rank creates every group (``new_group``'s rule), each column's in turn; returns this rank's group:
-        the one of ``members`` (data-parallel ranks, the same in every column) at ``mine`` in this rank's column."""
-        own: ProcessGroup | None = None
-        for each_stage in range(pp):
-            for column in range(tp):
-                for i, ranks in enumerate(members):
-                    group = dist.new_group([each_stage * world + r * tp + column for r in ranks], backend=backend)
-                    if each_stage == stage and column == mesh.tensor_parallel_rank and i == mine:
-                        own = group
-                        mesh.owned_groups.append(group)
-        assert own is not None
-        return own
-
-    if shard_size > 1 or pp > 1:  # a stage of one rank still has its own group: the world is other stages' too
-        if replicas == 1 and tp == 1 and pp == 1:
-            mesh.shard_group = dist.group.WORLD
-        else:
-            rows = [list(range(row * shard_size, (row + 1) * shard_size)) for row in range(replicas)]
-            mesh.shard_group = groups(rows, mesh.replicate_rank)
-    if replicas > 1:
-        if shard_size == 1 and tp == 1 and pp == 1:
-            mesh.replicate_group = dist.group.WORLD
-        else:
-            columns = [list(range(col, world // tp, shard_size)) for col in range(shard_size)]
-            mesh.replicate_group = groups(columns, mesh.shard_rank)
-    if (tp > 1 or pp > 1) and (replicas > 1) == (shard_size > 1):  # both axes or neither: the column's own group
-        mesh.column_data_parallel_group = groups([list(range(world // tp))], 0)
-    mesh.shard_backend = dist.get_backend(mesh.shard_group) if mesh.shard_group is not None else None
-    return mesh

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -105,6 +105,9 @@ from lightning_shard.engine.tensor_parallel import local_tensor, note_tensor_par
 from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
 from lightning_shard.engine.wrapping import refuse_foreign_sharding
 
+if TYPE_CHECKING:
+    from lightning_shard.engine.parallel.apply import PipelineStage
+
 _ENGINE_ATTR = "_lightning_shard_engine"
 
 
@@ -128,9 +131,9 @@ class ShardedModule:
         self._pending_reduction_unit: ShardUnit | None = None
         self.buffer_sync = BufferSync(root, mesh.world_size, mesh.buffer_group)  # see [Note: buffers follow DDP]
         self.pool = BufferPool()  # every unit's step buffers: see [Note: the buffer pool]
-        # Parameters built on the meta device by modules without reset_parameters(), not loaded yet: fqn -> where.
-        self.uninitialized: dict[str, str] = {}
+        self.uninitialized: dict[str, str] = {}  # meta parameters without reset_parameters(), unloaded: fqn -> where
         self.param_init = ParamInit.RESET_PARAMETERS  # how meta-device parameters were materialised
+        self.pipeline_stage: PipelineStage | None = None  # this rank's stage of the root (see parallel/apply.py)
         # Checks of loaded state that wait for the next forward (e.g. weights a partial checkpoint left out).
         self._checks_before_forward: dict[str, Callable[[], None]] = {}
         for unit in units:
@@ -330,7 +333,6 @@ class ShardedModule:
         out = torch.empty(self.mesh.shard_size * p.rows_per_rank, *p.row_shape, dtype=local.dtype, device=self.device)
         collectives.all_gather_flat(out.view(-1), padded.view(-1), self.mesh.shard_group)
         return out[: p.rows].reshape(p.global_shape).to(local.device)
-
 
     def gather_whole(self, p: ShardedParam, local: Tensor) -> Tensor:
         """``gather_full``, then for a tensor-parallel part the whole tensor from every rank's part. Collective."""

@@ -292,7 +292,8 @@ class _Plan:
         self.optimizers = [optimizer_entries(engine, opt, i, kept_names) for i, opt in enumerate(optimizers)]
         self.averaged = _averaged_plan(averaged, self.params, self.buffers)
         self.adapters = peft_adapters(module)  # see [Note: adapters recorded at save time]
-        self.pipeline_split: tuple[str, StageSplit] | None = getattr(module, "_pipeline_split", None)
+        stage = engine.pipeline_stage  # the pipelined submodule's name and its split, as the engine holds them
+        self.pipeline_split: tuple[str, StageSplit] | None = None if stage is None else (stage.prefix, stage.split)
 
     def write_local(self) -> list[FileRecord]:
         """Write what this rank holds into the temporary directory; return the records of the files it wrote."""

@@ -1,13 +1,10 @@
-"""The parallel dimensions beyond sharding: the mesh of data x context x tensor ranks (``dims``) and one module per
-dimension that is not the sharding itself (``context``: the sequence split over the context-parallel ranks, and
+"""The parallel dimensions: one owner of the layout (``dims``: the sizes of pipeline x data x context x tensor
+ranks, their checks, the ``DeviceMesh``, the process groups and every rank question; see [Note: the parallel
+layout]), one entry point that applies them to a module in a fixed order (``apply``: the pipeline stage, the
+shards, the tied weights, the context-parallel steps), and one module per dimension that is not the sharding itself
+(``pipeline``: the stages and their schedule; ``context``: the sequence split over the context-parallel ranks, and
 ``ulysses``: the attention that sees the whole sequence anyway). Tensor parallelism predates this package and lives
-in ``engine/tensor_parallel.py``.
-
-The order is fixed and visible in ``ParallelDims``: global rank ``g`` sits at data-parallel rank ``g // (C * T)``,
-context-parallel rank ``(g // T) % C`` and tensor-parallel rank ``g % T``. The engine shards each parameter (each
-rank's tensor-parallel part of it) over the ``D * C`` ranks of one tensor-parallel coordinate, context-parallel
-ranks included, as FSDP2 and torchtitan do: see [Note: context-parallel ranks shard and reduce like data-parallel
-ones] in ``context.py``.
+in ``engine/tensor_parallel.py``: the user's plan is applied before the engine shards.
 """
 
 from lightning_shard.engine.parallel.context import ContextParallel, ContextParallelError

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_shard.engine import collectives
 
 if TYPE_CHECKING:
-    from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
+    from lightning_shard.engine.mesh import ShardMesh
 
 
 class TiedWeightsError(ValueError):
@@ -65,29 +64,22 @@ class TiedAcrossStages:
     ties: tuple[TiedParameter, ...] = ()
     bound: list[tuple[ProcessGroup, nn.Parameter]] = field(default_factory=list)
 
-    def bind(self, sharded: dict[str, nn.Parameter], ranks: PipelineRanks, owned: list[ProcessGroup],
-             offloaded: bool, backend: str | None = None) -> None:  # fmt: skip
+    def bind(self, sharded: dict[str, nn.Parameter], mesh: ShardMesh, offloaded: bool) -> None:
         """Once the stage is sharded (``sharded``: each name of its parameters -> the shard it trains): give each
         tied weight the first holding stage's values, and remember the shards to sum the gradients of. The groups
-        this rank is in are added to ``owned`` (destroyed with the mesh). Collective: every rank calls it. Raises
+        this rank is in are owned by ``mesh`` (destroyed with it). Collective: every rank calls it. Raises
         ``TiedWeightsError`` on every rank, before any collective, for shards offloaded to CPU memory."""
         if self.ties and offloaded:
             raise TiedWeightsError(
                 f"The weights {', '.join(' = '.join(t.names) for t in self.ties)} are tied across pipeline stages,"
                 " which cpu_offload=True does not support yet: untie them or train without cpu_offload."
             )
-        world, stages = dist.get_world_size(), ranks.size
-        inner = ranks.global_ranks[0]  # this rank's place in its stage (stage s holds s * W / P ...)
+        ranks = mesh.pipeline
+        assert ranks is not None  # bound on a pipeline stage only
         for tie in self.ties:
-            group: ProcessGroup | None = None
-            if tie.stages == tuple(range(stages)):
-                group = ranks.group
-            else:  # every rank creates every group, in the same order
-                for other in range(world // stages):
-                    created = dist.new_group([s * (world // stages) + other for s in tie.stages], backend=backend)
-                    if other == inner and ranks.stage in tie.stages:
-                        group = created
-                        owned.append(created)
+            group: ProcessGroup | None = ranks.group
+            if tie.stages != tuple(range(ranks.size)):
+                group = mesh.new_groups(mesh.dims.tie_groups(tie.stages), mesh.shard_backend)
             if ranks.stage not in tie.stages:
                 continue
             assert group is not None
