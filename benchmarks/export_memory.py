@@ -35,7 +35,7 @@ def _save(rank: int, port: int, directory: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    from lightning_shard.checkpoint.save.save import StateDictType, save_checkpoint_dir
+    from lightning_shard.checkpoint.save.directory import StateDictType, save_checkpoint_dir
     from lightning_shard.engine.mesh import build_shard_mesh
     from lightning_shard.engine.policies import ShardingStrategy, resolve_wrap_policy
     from lightning_shard.engine.sharded_module import shard_module

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
 from torch import nn
 
 from lightning_shard.checkpoint.io.selection import SavedParameters
-from lightning_shard.checkpoint.save.save import StateDictType
+from lightning_shard.checkpoint.save.directory import StateDictType
 from lightning_shard.common.fsdp_compat import (
     check_fsdp_flags,
     cpu_offload_flag,

@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint.io.storage import checked_storage_options, is_url, location
 from lightning_shard.checkpoint.save.background import BackgroundSaver, refuse_full_layout_in_background
-from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
+from lightning_shard.checkpoint.state_dicts import model_state_dict, optimizer_state_dict
 from lightning_shard.common.distributed import reduce_tensor
 from lightning_shard.common.options import ShardOptions
 from lightning_shard.common.precision import translate_precision
