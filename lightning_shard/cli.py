@@ -137,7 +137,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"lightning-shard: {refused}", file=sys.stderr)
         return 2
     options = {name: getattr(args, name) for name in exporter.options}
-    if str(options.get("max_shard_size")).isdigit():
+    if "max_shard_size" in options and options["max_shard_size"].isdigit():  # bytes
         options["max_shard_size"] = int(options["max_shard_size"])
     result = exporter(args.checkpoint_dir, args.output_dir, overwrite=args.overwrite, **options)
     print(f"wrote {result.description} to {result.output}")
