@@ -30,6 +30,7 @@ from lightning_shard.checkpoint.load.directory import (
     check_named_groups,
     covered_keys,
     model_targets,
+    optimizer_groups,
 )
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule
@@ -198,12 +199,9 @@ def load_foreign_optimizers(
 def _optimizer_state(
     engine: ShardedModule, optimizer: Optimizer, saved: ForeignOptimizer, what: str, strict: bool
 ) -> dict[str, Any]:
-    by_shard = {id(p.sharded): p for p in engine.sharded_params()}
-    unknown = [q for g in optimizer.param_groups for q in g["params"] if id(q) not in by_shard]
-    if unknown:
-        raise CheckpointError(f"{what}: the optimizer holds {len(unknown)} tensors that are not sharded parameters.")
-    groups = [[by_shard[id(q)].fqn for q in g["params"]] for g in optimizer.param_groups]
+    groups, position = optimizer_groups(engine, optimizer, what)
     if saved.keys is ParamKeys.POSITION:
+        by_shard = {id(p.sharded): p for p in engine.sharded_params()}
         module_order = [by_shard[id(q)].fqn for q in engine.root.parameters() if id(q) in by_shard]
         names: dict[Any, str] = name_positions([g["params"] for g in saved.param_groups], groups, module_order, what)
     else:  # a tied parameter may be stored under any of its names
@@ -211,7 +209,6 @@ def _optimizer_state(
         check_named_groups([[alias.get(n, n) for n in g["params"]] for g in saved.param_groups], groups, what, strict)
         in_groups = {n for g in groups for n in g}
         names = {f: name for f, name in alias.items() if name in in_groups}
-    position = {name: j for j, name in enumerate(n for g in groups for n in g)}
     sharded = {p.fqn: p for p in engine.sharded_params()}
     state: dict[int, dict[str, Any]] = {}
     for key, values in saved.state.items():

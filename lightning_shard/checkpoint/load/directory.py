@@ -231,6 +231,19 @@ def _some(items: Sequence[str], shown: int = 8) -> str:
     return f"[{listed}, and {len(items) - shown} more]" if len(items) > shown else f"[{listed}]"
 
 
+def optimizer_groups(
+    engine: ShardedModule, optimizer: Optimizer, what: str
+) -> tuple[list[list[str]], dict[str, int]]:
+    """The names of the parameters of each of ``optimizer``'s groups, and the position of each in its state dict;
+    ``what`` names the optimizer when it holds a tensor that is not a sharded parameter of ``engine``."""
+    by_shard = {id(p.sharded): p for p in engine.sharded_params()}
+    unknown = [q for g in optimizer.param_groups for q in g["params"] if id(q) not in by_shard]
+    if unknown:
+        raise CheckpointError(f"{what}: the optimizer holds {len(unknown)} tensors that are not sharded parameters.")
+    groups = [[by_shard[id(q)].fqn for q in g["params"]] for g in optimizer.param_groups]
+    return groups, {name: j for j, name in enumerate(n for g in groups for n in g)}
+
+
 def check_named_groups(
     stored_groups: Sequence[Sequence[Any]], groups: Sequence[Sequence[str]], what: str, strict: bool
 ) -> None:
@@ -300,9 +313,7 @@ def _optimizer_state(
 ) -> dict[str, Any]:
     """Optimizer ``i``'s state dict, its per-parameter tensors to be filled from ``reads`` (added to it and to
     ``pending`` here)."""
-    by_shard = {id(p.sharded): p for p in engine.sharded_params()}
-    current = [[by_shard[id(q)].fqn for q in group["params"]] for group in optimizer.param_groups]
-    position = {name: j for j, name in enumerate(n for group in current for n in group)}
+    current, position = optimizer_groups(engine, optimizer, f"Optimizer {i}")
     stored = [group["params"] for group in meta["param_groups"]]
     if engine.mesh.pipeline is not None:  # a pipeline stage's optimizer holds its own parameters only
         held = {name for group in current for name in group}
