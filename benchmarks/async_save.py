@@ -34,7 +34,7 @@ def _worker(rank: int, port: int, directory: str, repeats: int, out: mp.Queue) -
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from lightning_shard.checkpoint.save.background import BackgroundSaver
-    from lightning_shard.checkpoint.save.save import save_checkpoint_dir
+    from lightning_shard.checkpoint.save.directory import save_checkpoint_dir
     from lightning_shard.engine import shard_model
     from lightning_shard.engine.option_choices import StateDictType
 

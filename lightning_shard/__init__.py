@@ -17,13 +17,14 @@ from lightning_shard.registration import register_on_import
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from lightning_shard.checkpoint.foreign.gguf import load_gguf_into
     from lightning_shard.checkpoint.format import CheckpointError
-    from lightning_shard.checkpoint.load.load import LoadResult, load_safetensors_into
-    from lightning_shard.checkpoint.tools.consolidate import CheckpointSummary, consolidate, inspect
-    from lightning_shard.checkpoint.tools.export import ExportResult, export_hf, export_peft
-    from lightning_shard.checkpoint.tools.gguf_export import GgufExport, export_gguf
-    from lightning_shard.checkpoint.tools.lightning_export import LightningExport, export_lightning
+    from lightning_shard.checkpoint.interop.export import ExportResult, GgufExport, LightningExport
+    from lightning_shard.checkpoint.interop.gguf import export_gguf, load_gguf_into
+    from lightning_shard.checkpoint.interop.hf import consolidate, export_hf, load_safetensors_into
+    from lightning_shard.checkpoint.interop.lightning_ckpt import export_lightning
+    from lightning_shard.checkpoint.interop.peft import export_peft
+    from lightning_shard.checkpoint.load.directory import LoadResult
+    from lightning_shard.checkpoint.load.inspect import CheckpointSummary, inspect
     from lightning_shard.data import GlobalBatchLoader, GlobalBatchSampler
     from lightning_shard.engine.estimate import MemoryEstimate, estimate_memory
     from lightning_shard.engine.full_params import summon_full_params
@@ -44,20 +45,20 @@ if TYPE_CHECKING:
     from lightning_shard.trainer.strategy import ShardStrategy
 else:
     __getattr__, __dir__ = lazy_attributes(__name__, {
-        "load_gguf_into": "lightning_shard.checkpoint.foreign.gguf",
+        "load_gguf_into": "lightning_shard.checkpoint.interop.gguf",
         "CheckpointError": "lightning_shard.checkpoint.format",
-        "LoadResult": "lightning_shard.checkpoint.load.load",
-        "load_safetensors_into": "lightning_shard.checkpoint.load.load",
-        "CheckpointSummary": "lightning_shard.checkpoint.tools.consolidate",
-        "consolidate": "lightning_shard.checkpoint.tools.consolidate",
-        "inspect": "lightning_shard.checkpoint.tools.consolidate",
-        "ExportResult": "lightning_shard.checkpoint.tools.export",
-        "export_hf": "lightning_shard.checkpoint.tools.export",
-        "export_peft": "lightning_shard.checkpoint.tools.export",
-        "GgufExport": "lightning_shard.checkpoint.tools.gguf_export",
-        "export_gguf": "lightning_shard.checkpoint.tools.gguf_export",
-        "LightningExport": "lightning_shard.checkpoint.tools.lightning_export",
-        "export_lightning": "lightning_shard.checkpoint.tools.lightning_export",
+        "LoadResult": "lightning_shard.checkpoint.load.directory",
+        "load_safetensors_into": "lightning_shard.checkpoint.interop.hf",
+        "CheckpointSummary": "lightning_shard.checkpoint.load.inspect",
+        "consolidate": "lightning_shard.checkpoint.interop.hf",
+        "inspect": "lightning_shard.checkpoint.load.inspect",
+        "ExportResult": "lightning_shard.checkpoint.interop.export",
+        "export_hf": "lightning_shard.checkpoint.interop.hf",
+        "export_peft": "lightning_shard.checkpoint.interop.peft",
+        "GgufExport": "lightning_shard.checkpoint.interop.export",
+        "export_gguf": "lightning_shard.checkpoint.interop.gguf",
+        "LightningExport": "lightning_shard.checkpoint.interop.export",
+        "export_lightning": "lightning_shard.checkpoint.interop.lightning_ckpt",
         "GlobalBatchLoader": "lightning_shard.data",
         "GlobalBatchSampler": "lightning_shard.data",
         "MemoryEstimate": "lightning_shard.engine.estimate",

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "estimate":
         return _estimate(args)
     from lightning_shard.checkpoint.format import CheckpointError
-    from lightning_shard.checkpoint.tools.consolidate import consolidate, inspect
+    from lightning_shard.checkpoint.interop.hf import consolidate
+    from lightning_shard.checkpoint.load.inspect import inspect
 
     try:
         if args.command == "export":
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     x.add_argument("checkpoint_dir")
     x.add_argument("output_dir")
-    x.add_argument("--format", choices=["hf", "peft", "dcp", "lightning", "gguf"], default="hf",
+    x.add_argument("--format", choices=["hf", "peft", "dcp", "lightning", "gguf"], default=_EXPORT_FORMAT_DEFAULT,
                    help="output layout (hf: sharded safetensors + index, peft adapters merged into --base; peft:"
                    " adapter_model.safetensors + adapter_config.json for PeftModel.from_pretrained; dcp:"
                    " torch.distributed.checkpoint directory that ModelParallelStrategy resumes from, with the"
@@ -113,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The export options that only some formats take, with their defaults (one source: the parser reads them here).
+# The export options that only some formats take, with their defaults (one source: the parser reads them here), and
+# the format of a command without --format.
+_EXPORT_FORMAT_DEFAULT = "hf"
 _EXPORT_OPTION_DEFAULTS: dict[str, Any] = {
     "--prefix": "", "--dtype": None, "--config": None, "--max-shard-size": "5GB", "--weights": "current",
     "--adapter-config": None, "--adapter-name": None, "--base": None, "--tokenizer": None,
@@ -126,100 +129,50 @@ def _given(args: argparse.Namespace, *flags: str) -> list[str]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.tools.export import export_hf
+    from lightning_shard.checkpoint.interop import EXPORTERS
 
-    if args.format == "dcp":
-        return _export_dcp(args)
-    if args.format == "lightning":
-        return _export_lightning(args)
-    if args.format == "peft":
-        return _export_peft(args)
-    if args.format == "gguf":
-        return _export_gguf(args)
-    misplaced = _given(args, "--adapter-config", "--adapter-name")
-    if misplaced:
-        print(f"lightning-shard: {', '.join(misplaced)} only apply to --format peft.", file=sys.stderr)
+    exporter = EXPORTERS[args.format]
+    refused = _refused_options(args, exporter)
+    if refused:
+        print(f"lightning-shard: {refused}", file=sys.stderr)
         return 2
-    gguf_only = _given(args, "--tokenizer") + (["--dtype " + args.dtype] if args.dtype in ("f32", "f16", "bf16", "q8_0")
-                                                else [])
-    if gguf_only:
-        print(f"lightning-shard: {', '.join(gguf_only)} only apply to --format gguf.", file=sys.stderr)
-        return 2
-    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
-    result = export_hf(args.checkpoint_dir, args.output_dir, prefix=args.prefix, dtype=args.dtype,
-                       max_shard_size=size, config=args.config, overwrite=args.overwrite, weights=args.weights,
-                       base=args.base)
-    if result.skipped:
-        print(f"note: {len(result.skipped)} keys without the prefix {args.prefix!r} were left out:"
-              f" {', '.join(result.skipped)}")
-    print(f"wrote {len(result.files)} weight files ({result.total_size / 2**20:.2f} MiB) to {result.output_dir}")
+    options = {name: getattr(args, name) for name in exporter.options}
+    if "max_shard_size" in options and options["max_shard_size"].isdigit():  # bytes
+        options["max_shard_size"] = int(options["max_shard_size"])
+    result = exporter(args.checkpoint_dir, args.output_dir, overwrite=args.overwrite, **options)
+    print(f"wrote {result.description} to {result.output}")
+    for note in result.notes:
+        print(f"note: {note}")
     return 0
 
 
-def _export_gguf(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.tools.gguf_export import export_gguf
+def _refused_options(args: argparse.Namespace, exporter: Any) -> str | None:
+    """Why the export options given cannot go to the exporter of ``args.format``, or ``None``: options it does not
+    take (for the default format, each named with the format that takes it: --format was likely left out), or one it
+    needs."""
+    from lightning_shard.checkpoint.interop import EXPORTERS
 
-    misplaced = _given(args, "--adapter-config", "--adapter-name", "--base", "--max-shard-size")
-    if misplaced:
-        print(f"lightning-shard: {', '.join(misplaced)} do not apply to --format gguf.", file=sys.stderr)
-        return 2
-    if args.config is None:
-        print("lightning-shard: --format gguf needs --config, the model's config.json (its metadata).", file=sys.stderr)
-        return 2
-    result = export_gguf(args.checkpoint_dir, args.output_dir, args.config, prefix=args.prefix, dtype=args.dtype,
-                         tokenizer=args.tokenizer, overwrite=args.overwrite, weights=args.weights)
-    if result.skipped:
-        print(f"note: {len(result.skipped)} keys without the prefix {args.prefix!r} were left out:"
-              f" {', '.join(result.skipped)}")
-    print(f"wrote {len(result.tensors)} {result.architecture} tensors to {result.output}")
-    return 0
-
-
-def _export_peft(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.tools.export import export_peft
-
-    misplaced = _given(args, "--config", "--base", "--max-shard-size")
-    if misplaced:
-        print(f"lightning-shard: {', '.join(misplaced)} do not apply to --format peft.", file=sys.stderr)
-        return 2
-    result = export_peft(args.checkpoint_dir, args.output_dir, weights=args.weights, adapter_config=args.adapter_config,
-                         prefix=args.prefix, adapter_name=args.adapter_name, dtype=args.dtype,
-                         overwrite=args.overwrite)
-    print(f"wrote {', '.join(result.files)} ({result.total_size / 2**20:.2f} MiB) to {result.output_dir}")
-    return 0
-
-
-def _export_lightning(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.tools.lightning_export import export_lightning
+    def takes(other: Any, option: str) -> bool:  # option: "--prefix", or "--dtype q8_0" (the value given)
+        name, _, value = option.partition(" ")
+        return name.lstrip("-").replace("-", "_") in other.options and (not value or value in other.dtypes)
 
     given = _given(args, *_EXPORT_OPTION_DEFAULTS)
-    if given:
-        print(f"lightning-shard: {', '.join(given)} do not apply to --format lightning, which writes the whole model"
-              " as the Trainer saved it.", file=sys.stderr)
-        return 2
-    result = export_lightning(args.checkpoint_dir, args.output_dir, overwrite=args.overwrite)
-    print(f"wrote {result.tensors} model tensors ({result.total_size / 2**20:.2f} MiB) to {result.output}")
-    return 0
-
-
-def _export_dcp(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.tools.dcp_export import export_dcp
-
-    given = _given(args, *_EXPORT_OPTION_DEFAULTS)
-    if given:
-        print(f"lightning-shard: {', '.join(given)} do not apply to --format dcp, which writes the whole checkpoint as"
-              " it is.", file=sys.stderr)
-        return 2
-    result = export_dcp(args.checkpoint_dir, args.output_dir, overwrite=args.overwrite)
-    print(f"wrote {result.tensors} model tensors and {result.optimizers} optimizer states to {result.output_dir}")
-    if result.meta_types:
-        print(f"note: meta.pt holds {', '.join(result.meta_types)}, which torch.load(weights_only=True) refuses by"
-              " default: allow them with torch.serialization.add_safe_globals([...]) before resuming.")
-    return 0
+    if "dtype" in exporter.options and args.dtype not in (None, *exporter.dtypes):  # a value of another format's
+        given[given.index("--dtype")] = f"--dtype {args.dtype}"
+    misplaced = [option for option in given if not takes(exporter, option)]
+    if not misplaced:
+        return next((f"--format {args.format} needs --{name}, {what}." for name, what in exporter.needs
+                     if getattr(args, name) is None), None)
+    if args.format != _EXPORT_FORMAT_DEFAULT:
+        scope = f", which writes {exporter.scope}" if exporter.scope else ""
+        return f"{', '.join(misplaced)} do not apply to --format {args.format}{scope}."
+    owner = {option: next(name for name, e in EXPORTERS.items() if takes(e, option)) for option in misplaced}
+    return " ".join(f"{', '.join(o for o in misplaced if owner[o] == name)} only apply to --format {name}."
+                    for name in dict.fromkeys(owner.values()))
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from lightning_shard.checkpoint.foreign.convert import convert
+    from lightning_shard.checkpoint.convert import convert
 
     module = None
     if args.module is not None:
@@ -227,8 +180,7 @@ def _convert(args: argparse.Namespace) -> int:
         if module is None:
             return 2
     result = convert(args.source, args.output_dir, module=module, overwrite=args.overwrite)
-    print(f"converted {result.kind.value} ({result.tensors} model tensors, {result.optimizers} optimizer states)"
-          f" into {result.output}")
+    print(f"converted {result.description} into {result.output}")
     return 0
 
 

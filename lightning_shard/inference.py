@@ -20,7 +20,7 @@ from lightning_shard.checkpoint.io.averaged import Weights, weights_prefix
 from lightning_shard.checkpoint.io.index import iter_index_tensors, model_ties
 from lightning_shard.checkpoint.io.reader import read_tensor
 from lightning_shard.checkpoint.io.storage import local_only
-from lightning_shard.checkpoint.load.load import load_trainer_state
+from lightning_shard.checkpoint.load.directory import load_trainer_state
 from lightning_shard.engine.transformers_buffers import fill_buffers_transformers_initialises
 
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)

@@ -44,11 +44,18 @@ from lightning_shard.checkpoint.format import (
 )
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.checkpoint.io.files import CheckpointFiles
-from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_index, encode_index
-from lightning_shard.checkpoint.io.layout import shard_rows, splits_by_rows, whole_owners
+from lightning_shard.checkpoint.io.index import (
+    FileRecord,
+    SavedTensor,
+    build_index,
+    encode_index,
+    index_head,
+    optimizer_entry,
+)
+from lightning_shard.checkpoint.io.layout import shard_rows, whole_owners
 from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
+from lightning_shard.checkpoint.save.directory import write_shard_file, write_trainer_state
 from lightning_shard.checkpoint.save.optimizer_entries import optimizer_plan
-from lightning_shard.checkpoint.save.save import index_head, saved_tensors, write_shard_file, write_trainer_state
 from lightning_shard.checkpoint.save.whole import Held, Local, Rows, shard_file_tensors
 from lightning_shard.engine.option_choices import ShardingStrategy, StateDictType
 
@@ -85,11 +92,11 @@ def simulate_save(
         records += write_shard_file(tmp / shard_file_name(shard, world_size), shard, local, save_id)
     tensors: dict[str, Tensor] = {}
     records += write_trainer_state(tmp, to_json_tree(dict(values or {}), tensors), tensors)
-    contents = saved_tensors([(fqn, tuple(p.shape), p.dtype) for fqn, p in params], buffers,
-                             [(name, tuple(full.shape) if full is not None else None, value)
-                              for name, full, value in optim], world_size)
-    head = index_head(StateDictType.SHARDED, world_size, (1, world_size), ShardingStrategy.FULL_SHARD.value, ties,
-                      [meta for meta, _ in plans], save_id)
+    contents = [SavedTensor.of(MODEL_PREFIX + fqn, tuple(p.shape), p.dtype, world_size) for fqn, p in params]
+    contents += [SavedTensor(MODEL_PREFIX + k, tuple(v.shape), v.dtype, False) for k, v in buffers]
+    contents += [SavedTensor.of(name, tuple(full.shape), value.dtype, world_size) if full is not None
+                 else SavedTensor(name, tuple(value.shape), value.dtype, False) for name, full, value in optim]
+    head = _head(world_size, save_id, {"ties": ties, "optimizers": [meta for meta, _ in plans]})
     commit(tmp, path, encode_index(build_index(head, contents, records)))
     return path
 
@@ -162,13 +169,11 @@ def simulated_index(
     ``param_shapes`` (name -> global shape) with an Adam-like optimizer (``optimizer_states`` shaped like each
     parameter, and a scalar ``step``): built in memory, no tensor allocated, no file written. Raises
     ``CheckpointError`` as a save does when it would exceed ``MAX_JSON_BYTES``."""
-    def saved(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> SavedTensor:
-        return SavedTensor(key, shape, dtype, splits_by_rows(shape, dtype, world_size))
-
-    tensors = [saved(MODEL_PREFIX + name, tuple(shape), dtype) for name, shape in param_shapes.items()]
+    tensors = [SavedTensor.of(MODEL_PREFIX + name, tuple(shape), dtype, world_size)
+               for name, shape in param_shapes.items()]
     for name, shape in param_shapes.items():
         tensors.append(SavedTensor(f"{OPTIMIZER_PREFIX}0/{name}/step", (), torch.float32, False))
-        tensors += [saved(f"{OPTIMIZER_PREFIX}0/{name}/{state}", tuple(shape), torch.float32)
+        tensors += [SavedTensor.of(f"{OPTIMIZER_PREFIX}0/{name}/{state}", tuple(shape), torch.float32, world_size)
                     for state in optimizer_states]
     in_file: list[dict[str, str]] = [{} for _ in range(world_size)]
     in_file[0] = {t.key: t.key for t in tensors if t.key.endswith("/step")}
@@ -180,13 +185,18 @@ def simulated_index(
     records = [FileRecord(shard_file_name(s, world_size), 10**11, digest, s, in_file[s], header_sha256=digest)
                for s in range(world_size)]
     records += [FileRecord(name, 10**6, digest, None) for name in ("trainer_state.json", "trainer_state.safetensors")]
-    options = {"lr": 1e-4, "betas": {"__tuple__": [0.9, 0.95]}, "eps": 1e-8, "weight_decay": 0.1}
-    optimizers = [{"param_groups": [{"params": list(param_shapes), "options": options}], "values": {}}]
-    head = index_head(StateDictType.SHARDED, world_size, (1, world_size), ShardingStrategy.FULL_SHARD.value, {},
-                      optimizers, new_save_id())
+    options = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    optimizer = optimizer_entry(0, [(list(param_shapes), options)], {}, {}, {})
+    head = _head(world_size, new_save_id(), {"ties": {}, "optimizers": [optimizer]})
     if not param_shapes:
         raise CheckpointError("simulated_index needs at least one parameter.")
     return encode_index(build_index(head, tensors, records))
+
+
+def _head(world_size: int, save_id: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The index head of a sharded save by ``world_size`` FULL_SHARD ranks."""
+    return index_head(StateDictType.SHARDED.value, world_size, (1, world_size), ShardingStrategy.FULL_SHARD.value,
+                      save_id, fields)
 
 
 @contextmanager

@@ -184,7 +184,7 @@ def load_counting(
     import os
 
     from lightning_shard.checkpoint.io.agreement import agree
-    from lightning_shard.checkpoint.load.load import load_model, load_optimizers, load_trainer_state
+    from lightning_shard.checkpoint.load.directory import load_model, load_optimizers, load_trainer_state
 
     torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
     model = model_class()

@@ -74,7 +74,7 @@ def test_at_most_one_save_is_in_flight_and_saves_do_run_in_the_background(tmp_pa
 
 
 def fail_in_background(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
-    from lightning_shard.checkpoint.save import save
+    from lightning_shard.checkpoint.save import directory as save
 
     original = save._ShardedWriter.write_tensors
 
@@ -157,7 +157,7 @@ def test_a_fabric_background_save_resumes_to_the_uninterrupted_losses(tmp_path: 
 
 
 def _slow_background_writes(seconds: float) -> Any:
-    from lightning_shard.checkpoint.save import save
+    from lightning_shard.checkpoint.save import directory as save
 
     original = save._ShardedWriter.write_tensors
 
@@ -171,7 +171,7 @@ def _slow_background_writes(seconds: float) -> Any:
 
 
 def fabric_saves_wait_for_each_other(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    from lightning_shard.checkpoint.save import save
+    from lightning_shard.checkpoint.save import directory as save
     from tests.fabric_fits import FabricRun, make_fabric, make_fabric_model, optimizer_for
 
     original = _slow_background_writes(1.0)

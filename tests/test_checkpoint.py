@@ -402,7 +402,7 @@ def save_after(rank: int, world_size: int, ckpt_dir: str, breakage: str) -> str:
     import lightning as L
 
     from lightning_shard import ShardStrategy
-    from lightning_shard.checkpoint.save import save as checkpoint_save
+    from lightning_shard.checkpoint.save import directory as checkpoint_save
     from tests.models import LitModel, loader
 
     L.seed_everything(1)

@@ -124,7 +124,7 @@ def test_export_from_a_full_layout_checkpoint(tmp_path: Path) -> None:
 
 def test_export_bfloat16_casts_every_tensor(tmp_path: Path) -> None:
     ckpt, _ = trained()
-    full = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "fp32", prefix="model.").output_dir
+    full = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "fp32", prefix="model.").output
                          / "model.safetensors"))
     lightning_shard.export_hf(ckpt, tmp_path / "bf16", prefix="model.", dtype="bfloat16")
     half = load_file(str(tmp_path / "bf16" / "model.safetensors"))
@@ -169,9 +169,9 @@ def test_export_leaves_out_keys_without_the_prefix(tmp_path: Path) -> None:
 
 def test_a_prefix_without_its_dot_names_the_same_submodule(tmp_path: Path) -> None:
     ckpt, _ = trained()
-    with_dot = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "dot", prefix="model.").output_dir
+    with_dot = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "dot", prefix="model.").output
                              / "model.safetensors"))
-    without = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "bare", prefix="model").output_dir
+    without = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "bare", prefix="model").output
                             / "model.safetensors"))
     assert without.keys() == with_dot.keys() and "transformer.wte.weight" in without  # not ".transformer.wte.weight"
 
@@ -189,7 +189,7 @@ def test_export_refuses_a_non_empty_destination(tmp_path: Path) -> None:
 
 
 def test_failed_export_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_shard.checkpoint.tools.export as export
+    import lightning_shard.checkpoint.interop.export as export
 
     ckpt, _ = trained()
     calls = []
@@ -203,18 +203,19 @@ def test_failed_export_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
     export_read_rows = export.read_rows
     monkeypatch.setattr(export, "read_rows", failing_read_rows)
     with pytest.raises(OSError, match="disk full"):
-        export.export_hf(ckpt, tmp_path / "hf", prefix="model.", max_shard_size=40000)
+        lightning_shard.export_hf(ckpt, tmp_path / "hf", prefix="model.", max_shard_size=40000)
     assert len(calls) == 5
     assert list(tmp_path.iterdir()) == []
 
 
 def test_block_wise_reading_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_shard.checkpoint.tools.export as export
+    import lightning_shard.checkpoint.interop.export as export
 
     ckpt, _ = trained()
-    whole = load_file(str(export.export_hf(ckpt, tmp_path / "whole", prefix="model.").output_dir / "model.safetensors"))
+    whole = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "whole", prefix="model.").output
+                          / "model.safetensors"))
     monkeypatch.setattr(export, "_BLOCK_BYTES", 100)  # a few rows per block
-    blocks = load_file(str(export.export_hf(ckpt, tmp_path / "blocks", prefix="model.").output_dir
+    blocks = load_file(str(lightning_shard.export_hf(ckpt, tmp_path / "blocks", prefix="model.").output
                            / "model.safetensors"))
     assert blocks.keys() == whole.keys()
     for key, value in whole.items():
@@ -222,7 +223,7 @@ def test_block_wise_reading_writes_the_same_bytes(tmp_path: Path, monkeypatch: p
 
 
 def test_a_piece_failing_its_checksum_fails_the_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_shard.checkpoint.tools.export as export
+    import lightning_shard.checkpoint.interop.export as export
 
     ckpt, _ = trained()
     damaged = tmp_path / "damaged.ckpt"
@@ -238,5 +239,5 @@ def test_a_piece_failing_its_checksum_fails_the_export(tmp_path: Path, monkeypat
     shard.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
     monkeypatch.setattr(export, "_BLOCK_BYTES", 100)  # the export reads a piece in parts: each part checked
     with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupted: bytes"):
-        export.export_hf(damaged, tmp_path / "hf", prefix="model.")
+        lightning_shard.export_hf(damaged, tmp_path / "hf", prefix="model.")
     assert not (tmp_path / "hf").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["damaged.ckpt"]

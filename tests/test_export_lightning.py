@@ -44,7 +44,7 @@ def test_torch_load_with_weights_only_reads_the_trainer_state(tmp_path: Path) ->
         assert key in checkpoint, key
     summary = inspect(ckpt, verify=False)
     assert (checkpoint["epoch"], checkpoint["global_step"]) == (summary.epoch, summary.global_step) == (1, 4)
-    assert result.tensors == len(checkpoint["state_dict"])
+    assert len(result.tensors) == len(checkpoint["state_dict"])
     weights = checkpoint["state_dict"]
     stored = [weights[k].untyped_storage().data_ptr() for k in ("model.lm_head.weight", "model.transformer.wte.weight")]
     assert stored[0] == stored[1]  # the tie: one tensor under both names

@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_shard import CheckpointError, ShardStrategy
-from lightning_shard.checkpoint.foreign.convert import convert
-from lightning_shard.checkpoint.foreign.dcp import read_metadata
+from lightning_shard.checkpoint.convert import convert
+from lightning_shard.checkpoint.interop.dcp import read_metadata
 from lightning_shard.cli import main as cli_main
 from lightning_shard.engine import sharded_module_of
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
@@ -380,7 +380,7 @@ def load_into_shards(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """``load_checkpoint`` of a .ckpt into a freshly sharded model, recording the rows each read takes; then one more
     step on the same batch on every rank (so the averaged gradient is the single process's)."""
     from lightning_shard.checkpoint import load_checkpoint
-    from lightning_shard.checkpoint.foreign import lightning_ckpt
+    from lightning_shard.checkpoint.interop import lightning_ckpt
     from lightning_shard.engine import shard_model
     from tests.fits import full_params
     from tests.models import MLPBlock, UnevenMLP
@@ -413,8 +413,8 @@ def load_failing_on_rank_1(rank: int, world_size: int, path: str) -> dict[str, A
     """``load_checkpoint`` of a .ckpt whose reads fail on rank 1 only (its disk went away): the error, and whether
     each rank's model still holds what it held before."""
     from lightning_shard.checkpoint import load_checkpoint
-    from lightning_shard.checkpoint.foreign import lightning_ckpt
     from lightning_shard.checkpoint.format import CheckpointError
+    from lightning_shard.checkpoint.interop import lightning_ckpt
     from lightning_shard.engine import shard_model
     from tests.models import MLPBlock, UnevenMLP
 
@@ -539,7 +539,7 @@ def test_the_types_lightning_writes_are_read_and_nothing_else(tmp_path: Path) ->
     import numpy as np
     from lightning.pytorch.utilities.parsing import AttributeDict
 
-    from lightning_shard.checkpoint.foreign.sources import open_checkpoint
+    from lightning_shard.checkpoint.open import open_checkpoint
 
     values = {
         "pytorch-lightning_version": "2.6.0", "epoch": 1,
@@ -560,7 +560,7 @@ def test_the_types_lightning_writes_are_read_and_nothing_else(tmp_path: Path) ->
 
 
 def test_position_keys_that_fit_both_writers_differently_are_refused() -> None:
-    from lightning_shard.checkpoint.foreign.foreign import name_positions
+    from lightning_shard.checkpoint.interop.foreign import name_positions
 
     module_order = ["a", "b", "c"]
     # DDP's order (the optimizer's) and FSDP's (the module's) agree when each group lists parameters in module order
@@ -575,7 +575,7 @@ def test_position_keys_that_fit_both_writers_differently_are_refused() -> None:
 
 
 def test_what_is_no_checkpoint_is_refused_saying_what_it_is(tmp_path: Path) -> None:
-    from lightning_shard.checkpoint.foreign.sources import open_checkpoint
+    from lightning_shard.checkpoint.open import open_checkpoint
 
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "notes.txt").write_text("hello")

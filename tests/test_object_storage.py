@@ -371,8 +371,8 @@ def test_tools_that_read_local_files_refuse_a_url_naming_it(tool: str, tmp_path:
     """A URL given to a tool that works on local files is refused with a message; it is never taken for a local path
     (``s3://bucket/ck`` as the relative directory ``s3:/bucket/ck``), and nothing is written."""
     from lightning_shard import export_hf, load_from_checkpoint
-    from lightning_shard.checkpoint.foreign.convert import convert
-    from lightning_shard.checkpoint.tools.dcp_export import export_dcp
+    from lightning_shard.checkpoint.convert import convert
+    from lightning_shard.checkpoint.interop.dcp import export_dcp
     from tests.models import LitModel
 
     monkeypatch.chdir(tmp_path)

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
 from lightning_shard import ShardStrategy
-from lightning_shard.checkpoint.tools.consolidate import inspect
+from lightning_shard.checkpoint.load.inspect import inspect
 from lightning_shard.engine import summon_full_params
 from lightning_shard.engine.parallel.apply import repeated_blocks
 from lightning_shard.engine.parallel.pipeline import PipelineError, StageSplit, prune_to_stage, split_microbatches

@@ -225,7 +225,7 @@ def engine_state(rank: int, world_size: int, sharding: str, directory: str) -> d
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
+    from lightning_shard.checkpoint.state_dicts import model_state_dict, optimizer_state_dict
     from lightning_shard.engine import shard_model
 
     torch.manual_seed(0)
@@ -263,7 +263,7 @@ def engine_state(rank: int, world_size: int, sharding: str, directory: str) -> d
 
 
 def foreign_optimizer(rank: int, world_size: int) -> str:
-    from lightning_shard.checkpoint.save.state_dict import optimizer_state_dict
+    from lightning_shard.checkpoint.state_dicts import optimizer_state_dict
     from lightning_shard.engine import shard_model
 
     model = UnevenMLP()

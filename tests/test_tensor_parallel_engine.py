@@ -166,8 +166,8 @@ def test_a_meta_built_model_starts_from_the_values_it_has_without_the_plan_and_t
 def state_dicts(rank: int, world_size: int, strategy: str, root: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
     from lightning_shard.checkpoint.state import save_checkpoint
+    from lightning_shard.checkpoint.state_dicts import model_state_dict, optimizer_state_dict
 
     torch.manual_seed(0)
     model = Net()
@@ -284,7 +284,7 @@ def test_the_estimate_counts_each_ranks_tensor_parallel_part() -> None:
 def state_dict_without_a_plan(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    from lightning_shard.checkpoint.save.state_dict import model_state_dict
+    from lightning_shard.checkpoint.state_dicts import model_state_dict
 
     torch.manual_seed(0)
     model = Net()

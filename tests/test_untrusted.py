@@ -22,8 +22,8 @@ import torch
 
 from lightning_shard import consolidate, inspect
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
+from lightning_shard.checkpoint.interop.hf import _safetensors_tensors
 from lightning_shard.checkpoint.io.writer import sha256_file
-from lightning_shard.checkpoint.load.load import _safetensors_tensors
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
 from lightning_shard.testing_checkpoints import header_digest, reseal_index
 from tests.checkpoint_fits import fit
@@ -354,7 +354,7 @@ def _grid(rows: int, cols: int, n: int) -> list[tuple[tuple[int, ...], tuple[int
 
 
 def test_dcp_chunks_on_a_grid_of_4096_are_checked_and_any_overlap_refused() -> None:
-    from lightning_shard.checkpoint.foreign.dcp import _check_tensor_entry
+    from lightning_shard.checkpoint.interop.dcp import _check_tensor_entry
 
     _check_tensor_entry("w", _chunked((128, 128), _grid(2, 2, 64)), CheckpointError)  # 64 x 64: rows and columns
     overlapping = _grid(2, 2, 64)
@@ -367,7 +367,7 @@ def test_dcp_chunks_on_a_grid_of_4096_are_checked_and_any_overlap_refused() -> N
 
 
 def test_dcp_metadata_listing_more_chunks_than_a_save_writes_is_refused() -> None:
-    from lightning_shard.checkpoint.foreign import dcp
+    from lightning_shard.checkpoint.interop import dcp
 
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((i,), (1,)) for i in range(dcp.MAX_CHUNKS + 1)]
     with pytest.raises(CheckpointError, match=f"lists {dcp.MAX_CHUNKS + 1} chunks, more than"):
@@ -387,7 +387,7 @@ class _HugeArray:
 def test_a_pickle_that_asks_numpy_for_a_huge_array_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
     import numpy as np
 
-    from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
+    from lightning_shard.checkpoint.interop.safe_pickle import load_restricted
 
     torch.save({"callbacks": {"state": _HugeArray()}}, tmp_path / "crafted.pt")
     with pytest.raises(CheckpointError, match=r"crafted\.pt is refused: the pickle asks numpy for an array of shape"):
@@ -416,8 +416,8 @@ def test_a_ckpt_whose_pickle_claims_more_bytes_than_a_record_holds_is_refused_na
     """A memory-mapped ``.ckpt`` whose pickle claims a storage larger than its record would read the next record's
     bytes as that tensor's (torch checks the sizes only when it reads records into memory): refused by convert and
     by ``fabric.load_raw``'s reader, naming the file and the storage."""
-    from lightning_shard.checkpoint.foreign.convert import convert
-    from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
+    from lightning_shard.checkpoint.convert import convert
+    from lightning_shard.checkpoint.interop.safe_pickle import load_restricted
 
     state = {"state_dict": {"a": torch.arange(1000.0), "b": torch.arange(5000.0)}, "epoch": 0, "global_step": 0}
     torch.save(state, tmp_path / "honest.ckpt")

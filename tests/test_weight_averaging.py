@@ -110,7 +110,7 @@ def test_load_and_export_pick_the_averaged_or_the_current_weights(
     from safetensors.torch import load_file
 
     from lightning_shard import load_from_checkpoint
-    from lightning_shard.checkpoint.tools.export import export_hf
+    from lightning_shard.checkpoint.interop.hf import export_hf
 
     checkpoint, average_after_6_steps = saved_mid_fit
     averaged = load_from_checkpoint(LitModel, checkpoint, weights="averaged", kind="mlp")

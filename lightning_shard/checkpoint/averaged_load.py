@@ -1,6 +1,6 @@
 """Reading a checkpoint's averaged weights back on resume (see [Note: averaged weights in a checkpoint] in
 ``io/averaged.py``, which holds their keys and ``AveragedTensors``). It reads through a ``CheckpointSource``
-(``foreign/sources.py``), so it sits at the top of the checkpoint layer beside ``state.py``; the ``io`` room, which a
+(``open.py``), so it sits at the top of the checkpoint layer beside ``state.py``; the ``io`` room, which a
 save imports, could not hold it."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_shard.checkpoint.foreign.sources import CheckpointSource, ShardDirectory
 from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError
 from lightning_shard.checkpoint.io.agreement import agree
 from lightning_shard.checkpoint.io.averaged import AVERAGE_PREFIX, AveragedTensors
 from lightning_shard.checkpoint.io.index import LEFT_OUT, iter_index_tensors, model_ties
 from lightning_shard.checkpoint.io.layout import require_complete
 from lightning_shard.checkpoint.io.reader import RowReads
+from lightning_shard.checkpoint.open import CheckpointSource, ShardDirectory
 from lightning_shard.engine.sharded_module import ShardedModule
 
 

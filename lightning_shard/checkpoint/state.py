@@ -17,20 +17,19 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.foreign.sources import open_checkpoint
 from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.format.trainer_state import TRAINER_OPTIMIZERS, TRAINER_PLACEHOLDERS
 from lightning_shard.checkpoint.io.agreement import agree, broadcast_str
 from lightning_shard.checkpoint.io.selection import MODEL_SELECTION_KEY, ModelSelection
 from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, location
-from lightning_shard.checkpoint.load.load import LoadResult
-from lightning_shard.checkpoint.save.save import save_checkpoint_dir
+from lightning_shard.checkpoint.load.directory import LoadResult
+from lightning_shard.checkpoint.open import open_checkpoint
+from lightning_shard.checkpoint.save.directory import save_checkpoint_dir
 from lightning_shard.engine.option_choices import StateDictType
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
 if TYPE_CHECKING:
     from lightning_shard.checkpoint.save.background import BackgroundSaver
-
-TRAINER_PLACEHOLDERS = ("state_dict", "optimizer_states")  # keys of Lightning's checkpoint dict the writer fills
 
 
 def save_checkpoint(
@@ -60,7 +59,7 @@ def save_checkpoint(
     if reserved:
         raise ValueError(f"save_checkpoint: the value names {reserved} are reserved by the checkpoint format.")
     if optimizers:
-        rest["optimizer_states"] = []  # tells the writer to store optimizer state
+        rest[TRAINER_OPTIMIZERS] = []  # tells the writer to store optimizer state
     if selection is not None:
         rest[MODEL_SELECTION_KEY] = selection
     target = _target(path, storage_options)
@@ -84,7 +83,7 @@ def load_checkpoint(
     """Fill ``module`` and ``optimizers`` in place from the checkpoint at ``path``; return its plain values and the
     model's missing and unexpected keys. ``path`` is a checkpoint directory (written at any world size, by either
     front end or by ``save_checkpoint``), a Lightning ``.ckpt`` file or a ``torch.distributed.checkpoint`` directory
-    (``lightning_shard.checkpoint.foreign.sources``; ``module_key`` and ``optimizer_keys`` name where a
+    (``lightning_shard.checkpoint.open``; ``module_key`` and ``optimizer_keys`` name where a
     ``fabric.save`` of another strategy keeps the module and optimizers). ``optimizers`` must be all the checkpoint
     holds, in order, or none. A URL (``s3://...``, with ``storage_options`` for its file system) is read as a
     checkpoint directory, each rank reading only its byte ranges. Collective."""

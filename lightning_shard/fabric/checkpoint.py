@@ -21,19 +21,18 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.foreign.gguf import is_gguf, load_gguf_into
-from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
-from lightning_shard.checkpoint.foreign.sources import detect
-from lightning_shard.checkpoint.foreign.torch_files import is_pickle
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
+from lightning_shard.checkpoint.interop.gguf import is_gguf, load_gguf_into
+from lightning_shard.checkpoint.interop.hf import load_safetensors_into
+from lightning_shard.checkpoint.interop.safe_pickle import is_pickle, load_restricted
 from lightning_shard.checkpoint.io.agreement import agree
 from lightning_shard.checkpoint.io.index import read_index
 from lightning_shard.checkpoint.io.selection import KeyFilter, ModelSelection
 from lightning_shard.checkpoint.io.storage import Location
-from lightning_shard.checkpoint.load.load import load_model, load_safetensors_into
+from lightning_shard.checkpoint.load.directory import full_model_state, load_model
+from lightning_shard.checkpoint.open import detect
 from lightning_shard.checkpoint.save.background import BackgroundSaver
 from lightning_shard.checkpoint.state import TRAINER_PLACEHOLDERS, load_checkpoint, save_checkpoint
-from lightning_shard.checkpoint.tools.consolidate import full_model_state
 from lightning_shard.common.checkpoint import FABRIC_OBJECTS
 from lightning_shard.engine.option_choices import SavedParameters, StateDictType
 from lightning_shard.engine.sharded_module import sharded_module_of
@@ -98,7 +97,7 @@ def fabric_model_selection(
 def load_fabric_state(path: Location, state: dict[str, Any], strict: bool) -> dict[str, Any]:
     """Fill ``state``'s module, optimizers and values in place from the checkpoint at ``path`` (a checkpoint
     directory, or what another strategy's ``fabric.save`` or Trainer wrote:
-    ``lightning_shard.checkpoint.foreign.sources``); return what the checkpoint holds that ``state`` did not ask for.
+    ``lightning_shard.checkpoint.open``); return what the checkpoint holds that ``state`` did not ask for.
     Collective. A local ``path`` that holds no checkpoint is refused first, as Lightning's strategies refuse it."""
     if isinstance(path, Path):
         agree(lambda: detect(path))

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint.io.storage import location
 from lightning_shard.checkpoint.save.background import BackgroundSaver, refuse_full_layout_in_background
-from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
+from lightning_shard.checkpoint.state_dicts import model_state_dict, optimizer_state_dict
 from lightning_shard.common.options import declare_shard_arguments
 from lightning_shard.common.precision import translate_precision
 from lightning_shard.common.preemption import PreemptionWatcher, preemption_signals

@@ -14,10 +14,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.foreign.sources import CheckpointSource, open_checkpoint
 from lightning_shard.checkpoint.format import CheckpointError
 from lightning_shard.checkpoint.io.agreement import agree
 from lightning_shard.checkpoint.io.storage import Location
+from lightning_shard.checkpoint.open import CheckpointSource, open_checkpoint
 from lightning_shard.checkpoint.save.commit import is_save_object
 from lightning_shard.common.checkpoint import as_trainer_checkpoint
 from lightning_shard.engine.sharded_module import ShardedModule
@@ -27,7 +27,7 @@ LIGHTNING_VERSION = "pytorch-lightning_version"  # in every checkpoint Trainer.s
 
 def read_trainer_checkpoint(path: Location) -> dict[str, Any]:
     """Lightning's checkpoint dict for the checkpoint at ``path`` (a checkpoint directory, Trainer or Fabric written,
-    a Lightning ``.ckpt`` or a DCP directory: ``lightning_shard.checkpoint.foreign.sources``): the trainer state,
+    a Lightning ``.ckpt`` or a DCP directory: ``lightning_shard.checkpoint.open``): the trainer state,
     with the model and optimizer entries standing for the checkpoint's tensors (read into the shards later, by
     ``load_model_state`` and ``load_optimizer_states``). Collective; never unpickles."""
     source = agree(lambda: open_checkpoint(path))

@@ -27,8 +27,8 @@ from typing_extensions import override
 from lightning_shard.checkpoint.io.selection import MODEL_SELECTION_KEY, ModelSelection
 from lightning_shard.checkpoint.io.storage import location
 from lightning_shard.checkpoint.save.background import refuse_full_layout_in_background
-from lightning_shard.checkpoint.save.save import save_checkpoint_dir
-from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict, state_dicts_available
+from lightning_shard.checkpoint.save.directory import save_checkpoint_dir
+from lightning_shard.checkpoint.state_dicts import model_state_dict, optimizer_state_dict, state_dicts_available
 from lightning_shard.common.options import declare_shard_arguments
 from lightning_shard.common.registry import register_shard_strategies
 from lightning_shard.common.setup import accumulating, setup_sharded_module

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_shard.checkpoint.averaged_load import has_average, load_averaged
-from lightning_shard.checkpoint.foreign.sources import CheckpointSource
 from lightning_shard.checkpoint.io.averaged import AVERAGED_MODEL_KEY, AveragedTensors
+from lightning_shard.checkpoint.open import CheckpointSource
 
 AVERAGING_STATE_KEY = "averaging_state"  # the trainer state's entry for the AveragedModel's own state
 

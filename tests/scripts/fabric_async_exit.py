@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_shard.checkpoint.save import save  # noqa: E402
+from lightning_shard.checkpoint.save import directory as save  # noqa: E402
 from lightning_shard.fabric import ShardStrategy  # noqa: E402
 from tests.models import GPTBlock, TinyGPT, make_dataset  # noqa: E402
 

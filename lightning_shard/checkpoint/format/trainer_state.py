@@ -11,6 +11,10 @@ from torch import Tensor
 
 from lightning_shard.checkpoint.format import CheckpointError, dtype_from_name, dtype_name
 
+TRAINER_MODEL = "state_dict"  # Lightning's checkpoint dict: the LightningModule's state_dict ...
+TRAINER_OPTIMIZERS = "optimizer_states"  # ... and a list of optimizer.state_dict()s
+TRAINER_PLACEHOLDERS = (TRAINER_MODEL, TRAINER_OPTIMIZERS)  # what a save writes from the shards, not as JSON
+
 
 def to_json_tree(obj: Any, tensors: dict[str, Tensor], path: str = "") -> Any:
     """Encode ``obj`` as JSON-compatible data; tensors move to ``tensors`` (keyed by their path) and are referenced.

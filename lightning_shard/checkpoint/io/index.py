@@ -1,10 +1,12 @@
-"""``index.json``: reading and checking it (the current version and version 1), and building it for a save.
+"""``index.json``, the one module that reads and writes it: reading and checking it (the current version and
+version 1), and building it for a save or a conversion.
 
 ``read_index`` checks the index's tables in time proportional to its size, opening no other file: the current
 version's index holds one entry per tensor and one per file (see [Note: rows by rule]), so every rank of a load
-reads and checks it in full, then opens only the files that hold its rows. ``build_index`` and ``encode_index``
-write it; ``encode_index`` refuses an index above ``MAX_JSON_BYTES``, the limit ``read_index`` applies, so a save
-never writes an index a load would refuse.
+reads and checks it in full, then opens only the files that hold its rows. ``index_head``, ``optimizer_entry``,
+``merge_stage_fields`` and ``build_index`` assemble it, ``encode_index`` writes it; ``encode_index`` refuses an
+index above ``MAX_JSON_BYTES``, the limit ``read_index`` applies, so a save never writes an index a load would
+refuse.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint.format import (
@@ -24,6 +27,7 @@ from lightning_shard.checkpoint.format import (
     FORMAT_VERSION,
     INDEX_FILE,
     MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
     READABLE_VERSIONS,
     SAVE_ID,
     SEALED_VERSION,
@@ -35,6 +39,7 @@ from lightning_shard.checkpoint.format import (
     refuse_unplain_name,
 )
 from lightning_shard.checkpoint.format.adapters import ADAPTERS, check_adapters_record
+from lightning_shard.checkpoint.format.trainer_state import to_json_tree
 from lightning_shard.checkpoint.io.files import CheckpointFiles, FileSeal, read_json_member
 from lightning_shard.checkpoint.io.layout import (
     Listed,
@@ -44,8 +49,10 @@ from lightning_shard.checkpoint.io.layout import (
     StoredTensor,
     Whole,
     shards_holding_rows,
+    splits_by_rows,
 )
 from lightning_shard.checkpoint.io.storage import Location, MemberURL, RemoteDirectory
+from lightning_shard.checkpoint.io.writer import sha256_file
 
 LEFT_OUT = "left_out"  # model key -> fingerprint of each model tensor a save left out (see checkpoint.io.selection)
 SPLIT_BY_ROWS = "rows"  # a tensor entry's "split": its rows are spread over "shard_files" by the writer's rule
@@ -349,6 +356,11 @@ def iter_index_tensors(index: dict[str, Any], prefix: str) -> Iterator[tuple[str
             yield key[len(prefix) :], entry
 
 
+def model_only_index(tensors: dict[str, StoredTensor]) -> dict[str, Any]:
+    """An index of nothing but model tensors (of plain safetensors files, by state_dict key), as a load reads it."""
+    return {"tensors": {MODEL_PREFIX + key: entry for key, entry in tensors.items()}}
+
+
 def model_ties(index: dict[str, Any]) -> dict[str, str]:
     """Tied model weights: each alias mapped to the name it is stored under (both without the model prefix)."""
     return {k.removeprefix(MODEL_PREFIX): v.removeprefix(MODEL_PREFIX) for k, v in index.get("ties", {}).items()}
@@ -357,6 +369,19 @@ def model_ties(index: dict[str, Any]) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------------
+#
+# [Note: pipeline-parallel checkpoints]
+# Under pipeline parallelism each stage holds its own modules only, so a save under it lists every piece, as a
+# tensor-parallel save does (see [Note: tensor-parallel checkpoints]): every rank of replica 0 writes its rows of its
+# stage's parameters and optimizer state, and the first rank of each stage that stage's buffers and scalar state.
+# Rank 0 builds the index from its own stage's tensors and the part the first rank of every later stage sends with
+# its file records (the tensors' keys, global shapes and dtypes, its ties and optimizer metadata), merged as the
+# unsplit model's (``merge_stage_fields``): each optimizer's groups list the parameters of every stage, in stage
+# order, which is the model's order. A weight tied across stages is written by its first stage, under the name the
+# unsplit model gives it. The index records the split (``"pipeline"``: the stage count, the pipelined module and each
+# stage's blocks) and the writers' world size covers ``replicas x shard_size x tensor_parallel_size x pipeline
+# stages``. A load at any pipeline size (1 included) reads the rows it needs from the listed pieces, each checked as
+# every read is.
 
 
 @dataclass(frozen=True)
@@ -368,6 +393,22 @@ class SavedTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     split: bool
+
+    @classmethod
+    def of(cls, key: str, shape: tuple[int, ...], dtype: torch.dtype, shard_size: int | None) -> SavedTensor:
+        """A tensor the shards hold by rows, stored as a save by ``shard_size`` shards stores it (``None``: a full
+        save, which splits nothing): split by rows, but those stored whole (see [Note: small tensors stored
+        whole])."""
+        return cls(key, shape, dtype, shard_size is not None and splits_by_rows(shape, dtype, shard_size))
+
+    def to_json(self) -> list[Any]:
+        """As the first rank of a pipeline stage sends it rank 0: ``[key, shape, dtype name, split]``."""
+        return [self.key, list(self.shape), dtype_name(self.dtype), self.split]
+
+    @classmethod
+    def from_json(cls, entry: list[Any]) -> SavedTensor:
+        key, shape, dtype, split = entry
+        return cls(key, tuple(shape), dtype_from_name(dtype), split)
 
 
 @dataclass(frozen=True)
@@ -383,10 +424,111 @@ class FileRecord:
     pieces: dict[str, list[int]] = field(default_factory=dict)  # index key -> [first row, last row + 1] it holds
     header_sha256: str | None = None  # of a data file (one a load reads in parts): see [Note: what a load verifies]
 
+    @classmethod
+    def written(
+        cls, path: Path, shard: int | None = None, whole: dict[str, str] | None = None,
+        pieces: dict[str, list[int]] | None = None, header_sha256: str | None = None,
+    ) -> FileRecord:
+        """The record of the file just written at ``path``."""
+        return cls(path.name, path.stat().st_size, sha256_file(path), shard, whole or {}, pieces or {}, header_sha256)
+
+
+def index_head(
+    state_dict_type: str,
+    world_size: int,
+    mesh: tuple[int, int],
+    sharding_strategy: str,
+    save_id: str,
+    fields: dict[str, Any],
+    tensor_parallel_size: int = 1,
+    pipeline: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything of an index but its files, tensors and seal (see docs/checkpoint_format.md). ``fields`` follow from
+    the model and optimizers: ``ties`` (alias -> stored name, both state_dict keys), ``optimizers``
+    (``optimizer_entry``'s) and, where a save has them, ``left_out`` and ``adapters``."""
+    head = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        SAVE_ID_KEY: save_id,
+        "state_dict_type": state_dict_type,
+        "world_size": world_size,
+        "mesh": {"replicas": mesh[0], "shard_size": mesh[1]},
+        "sharding_strategy": sharding_strategy,
+        "ties": {MODEL_PREFIX + k: MODEL_PREFIX + v for k, v in fields["ties"].items()},
+        "optimizers": fields["optimizers"],
+    }
+    if tensor_parallel_size > 1:
+        head[TENSOR_PARALLEL_SIZE] = tensor_parallel_size
+    if pipeline is not None:
+        head[PIPELINE] = pipeline
+    head.update({k: v for k, v in fields.items() if k in (LEFT_OUT, ADAPTERS)})
+    return head
+
+
+def optimizer_entry(
+    i: int,
+    groups: Sequence[tuple[list[str], dict[str, Any]]],
+    values: dict[str, dict[str, Any]],
+    row_states: dict[str, list[str]],
+    whole_states: dict[str, list[str]],
+    where: str = "",
+) -> dict[str, Any]:
+    """Optimizer ``i``'s entry in the index (of the checkpoint ``where`` names, for a conversion): its groups (the
+    names of their parameters and their options), the plain values of its state by parameter name, and which states
+    of a parameter are split by rows like a 0-dim one (``row_states``) or stored whole in another shape
+    (``whole_states``: Adafactor's row and column statistics); see docs/checkpoint_format.md."""
+    entries = []
+    for names, options in groups:
+        option_tensors: dict[str, Tensor] = {}
+        encoded = to_json_tree(options, option_tensors, f"optimizer {i}")
+        if option_tensors:
+            raise CheckpointError(
+                f"Optimizer {i}{where} has tensor-valued options ({', '.join(sorted(option_tensors))}): a checkpoint"
+                " stores options as plain values. Pass them as Python numbers (e.g. lr=1e-3, not"
+                " lr=torch.tensor(1e-3))."
+            )
+        entries.append({"params": names, "options": encoded})
+    entry: dict[str, Any] = {"param_groups": entries, "values": {
+        fqn: {key: to_json_tree(value, {}, f"{OPTIMIZER_PREFIX}{i}/{fqn}/{key}") for key, value in state.items()}
+        for fqn, state in values.items()
+    }}
+    if row_states:
+        entry["scalar_param_states"] = row_states
+    if whole_states:
+        entry["whole_param_states"] = whole_states
+    return entry
+
+
+def merge_stage_fields(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """The index fields of two pipeline stages' parts as one model's: ties, left-out weights and each adapter's
+    tensors together, each optimizer's groups listing both stages' parameters (a tied weight once, by the name the
+    first stage gave it)."""
+    merged = {**first, "ties": {**first["ties"], **later["ties"]}}
+    if LEFT_OUT in later:
+        merged[LEFT_OUT] = {**first.get(LEFT_OUT, {}), **later[LEFT_OUT]}
+    if ADAPTERS in later:  # each adapter's tensors on every stage
+        record = first.get(ADAPTERS) or {**later[ADAPTERS], "adapters": {}}
+        adapters = {name: {**entry, "tensors": {**entry["tensors"]}} for name, entry in record["adapters"].items()}
+        for name, entry in later[ADAPTERS]["adapters"].items():
+            adapters.setdefault(name, {**entry, "tensors": {}})["tensors"].update(entry["tensors"])
+        merged[ADAPTERS] = {**record, "adapters": adapters}
+    optimizers = []
+    for a, b in zip(first["optimizers"], later["optimizers"], strict=True):
+        seen = {name for group in a["param_groups"] for name in group["params"]} | set(merged["ties"])
+        groups = [{**ga, "params": ga["params"] + [n for n in gb["params"] if n not in seen]}
+                  for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True)]  # fmt: skip
+        optimizer = {**a, "param_groups": groups, "values": {**b["values"], **a["values"]}}
+        for entry in ("scalar_param_states", "whole_param_states"):
+            if entry in a or entry in b:
+                optimizer[entry] = {**b.get(entry, {}), **a.get(entry, {})}
+        optimizers.append(optimizer)
+    merged["optimizers"] = optimizers
+    return merged
+
 
 def build_index(head: dict[str, Any], tensors: Sequence[SavedTensor], records: Sequence[FileRecord]) -> dict[str, Any]:
-    """The index of a save: ``head`` (format, version, layout, world size, mesh, strategy, ties, optimizers), the
-    files of ``records`` and an entry per tensor. ``records`` are the files the ranks wrote, in any order."""
+    """The index of a save: ``head`` (``index_head``'s), the files of ``records`` and an entry per tensor. ``records``
+    are the files the ranks wrote, in any order."""
     records = sorted(records, key=lambda r: (r.shard is None, r.shard or 0, r.name))
     shards = [r.shard for r in records if r.shard is not None]
     if shards != list(range(len(shards))):

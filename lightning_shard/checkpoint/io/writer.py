@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -44,7 +45,8 @@ class SafetensorsStreamWriter:
     """Write a safetensors file whose tensors arrive one at a time, so that only one is ever in memory.
 
     The header (names, dtypes, shapes, offsets) is written first from ``specs``; ``write`` must then be called once
-    per tensor, in the order of ``specs``. With ``checksums``, the header's metadata records the CRC-32 of each block
+    per tensor, in the order of ``specs``, within ``with``: the file is closed on leaving it, and completed (``close``)
+    unless something failed. With ``checksums``, the header's metadata records the CRC-32 of each block
     of ``BLOCK_BYTES`` of the data section (``"crc32_blocks"``, 8 hex digits a block, after ``"crc32_block_bytes"``;
     see [Note: every byte that lands is checked] in ``reader.py``): written as zeros first, filled in by ``close``
     (the same number of bytes, so the data does not move).
@@ -79,29 +81,46 @@ class SafetensorsStreamWriter:
         encoded = json.dumps(self._header, separators=(",", ":")).encode()
         return encoded + b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
 
-    def write(self, name: str, tensor: Tensor) -> None:
-        """Append ``tensor``'s bytes."""
+    def __enter__(self) -> SafetensorsStreamWriter:
+        return self
+
+    def __exit__(self, failed: type[BaseException] | None, *_: object) -> None:
+        """``close`` the file once every tensor is written; after a failure, only close it."""
+        if failed is None:
+            self.close()
+        else:
+            self._file.close()
+
+    def write(self, name: str, tensor: Tensor | Iterable[Tensor]) -> None:
+        """Append the bytes of ``tensor``, given whole or as its consecutive row blocks (one in memory at a time)."""
         expected_name, nbytes = self._expected[self._next]
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # no copy of the bytes
-        if name != expected_name or data.nbytes != nbytes:
-            raise CheckpointError(f"Internal error: expected {expected_name} ({nbytes} bytes), got {name}.")
-        self._file.write(data.data)
-        if self._blocks is not None:
-            view, at = memoryview(data.data), 0
-            while at < len(view):  # the bytes of each block they reach
-                room = BLOCK_BYTES - self._written % BLOCK_BYTES
-                part = view[at : at + room]
-                self._block_crc = crc32_of_bytes(part, self._block_crc)
-                self._written += len(part)
-                at += len(part)
-                if self._written % BLOCK_BYTES == 0:
-                    self._blocks[(self._written - 1) // BLOCK_BYTES] = self._block_crc
-                    self._block_crc = 0
+        if name != expected_name:
+            raise CheckpointError(f"Internal error: expected {expected_name}, got {name}.")
+        written = 0
+        for block in [tensor] if isinstance(tensor, Tensor) else tensor:
+            data = block.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # no copy of the bytes
+            self._file.write(data.data)
+            written += data.nbytes
+            if self._blocks is not None:
+                self._checksum(memoryview(data.data))
+            del data, block  # before the next block is made
+        if written != nbytes:
+            raise CheckpointError(f"Internal error: {name} took {written} bytes, expected {nbytes}.")
         self._next += 1
 
-    def close_quietly(self) -> None:
-        """Close after a failure, without the completeness check."""
-        self._file.close()
+    def _checksum(self, view: memoryview) -> None:
+        """Add ``view``'s bytes to the CRC-32 of each block they reach."""
+        assert self._blocks is not None
+        at = 0
+        while at < len(view):
+            room = BLOCK_BYTES - self._written % BLOCK_BYTES
+            part = view[at : at + room]
+            self._block_crc = crc32_of_bytes(part, self._block_crc)
+            self._written += len(part)
+            at += len(part)
+            if self._written % BLOCK_BYTES == 0:
+                self._blocks[(self._written - 1) // BLOCK_BYTES] = self._block_crc
+                self._block_crc = 0
 
     def close(self) -> None:
         try:

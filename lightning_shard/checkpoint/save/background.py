@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.io.storage import Location
-from lightning_shard.checkpoint.save.save import PreparedSave, _ShardedWriter, prepare_save
+from lightning_shard.checkpoint.save.directory import PreparedSave, _ShardedWriter, prepare_save
 from lightning_shard.engine.option_choices import StateDictType
 from lightning_shard.engine.sharded_module import ShardedModule
 

@@ -1,6 +1,6 @@
 """Committing a save: the index written last, the temporary directory swapped in (or, on object storage, the index
 uploaded last), and what a killed save left behind put back or cleaned up (see [Note: atomic checkpoint saves] in
-``save/save.py``, [Note: committing to object storage] in ``io/storage.py``)."""
+``save/directory.py``, [Note: committing to object storage] in ``io/storage.py``)."""
 
 from __future__ import annotations
 

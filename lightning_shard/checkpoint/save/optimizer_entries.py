@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.format import OPTIMIZER_PREFIX, CheckpointError
-from lightning_shard.checkpoint.format.trainer_state import to_json_tree
+from lightning_shard.checkpoint.io.index import optimizer_entry
 from lightning_shard.engine.sharded_module import ShardedModule
 from lightning_shard.engine.whole_tensor_step import row_state_keys
 
@@ -45,17 +45,8 @@ def optimizer_plan(
     if missing:
         raise CheckpointError(f"Optimizer {i} holds tensors that are not parameters of the sharded model: {missing}.")
     names = [params[id(q)][0] for q in held]
-    groups = []
-    for group in state["param_groups"]:
-        g = {k: v for k, v in group.items() if k != "params"}
-        option_tensors: dict[str, Tensor] = {}
-        options = to_json_tree(g, option_tensors, f"optimizer {i}")
-        if option_tensors:
-            raise CheckpointError(
-                f"Optimizer {i} has tensor-valued options ({', '.join(sorted(option_tensors))}): a checkpoint stores"
-                f" options as plain values. Pass them as Python numbers (e.g. lr=1e-3, not lr=torch.tensor(1e-3))."
-            )
-        groups.append({"params": [names[j] for j in group["params"]], "options": options})
+    groups = [([names[j] for j in group["params"]], {k: v for k, v in group.items() if k != "params"})
+              for group in state["param_groups"]]
     values: dict[str, dict[str, Any]] = {}
     row_states: dict[str, list[str]] = {}  # 0-dim parameters' states split by rows like them (see the format doc)
     whole_states: dict[str, list[str]] = {}  # states of another shape (Adafactor's row and column statistics)
@@ -65,22 +56,15 @@ def optimizer_plan(
     for j, param_state in sorted(state["state"].items()):
         fqn, local_shape, global_shape = params[id(held[j])]
         for key, value in sorted(param_state.items()):
-            name = f"{OPTIMIZER_PREFIX}{i}/{fqn}/{key}"
             if isinstance(value, Tensor):
                 sharded = value.dim() > 0 and value.shape == local_shape
                 if told is not None and id(held[j]) in told:
                     sharded = key in told[id(held[j])]
-                tensors.append((name, id(held[j]) if sharded else None, value))
+                tensors.append((f"{OPTIMIZER_PREFIX}{i}/{fqn}/{key}", id(held[j]) if sharded else None, value))
                 if sharded and not global_shape:
                     row_states.setdefault(fqn, []).append(key)
                 elif not sharded and value.dim() > 0:  # the same on every rank, stored once
                     whole_states.setdefault(fqn, []).append(key)
             else:
-                values.setdefault(fqn, {})[key] = to_json_tree(value, {}, name)
-    meta: dict[str, Any] = {"param_groups": groups, "values": values}
-    if row_states:
-        meta["scalar_param_states"] = row_states
-    if whole_states:
-        meta["whole_param_states"] = whole_states
-    return meta, tensors
-
+                values.setdefault(fqn, {})[key] = value
+    return optimizer_entry(i, groups, values, row_states, whole_states), tensors

@@ -3,7 +3,7 @@
 ``get_module_state_dict`` and ``get_optimizer_state`` return, and what plain-PyTorch code gets from
 ``model_state_dict`` and ``optimizer_state_dict``.
 
-    from lightning_shard.checkpoint.save.state_dict import model_state_dict, optimizer_state_dict
+    from lightning_shard.checkpoint.state_dicts import model_state_dict, optimizer_state_dict
 
     full = model_state_dict(model, "full")          # collective; rank 0: {name: CPU tensor}, other ranks: {}
     shards = model_state_dict(model, "sharded")     # collective; every rank: {name: DTensor view of its rows}
@@ -74,9 +74,16 @@ def model_state_dict(module: nn.Module, layout: StateDictType | str) -> dict[str
     engine = _engine(module, "model_state_dict")
     _refuse_tensor_parallel(engine)
     with _plain_tensors():
-        if StateDictType.parse(layout) is StateDictType.FULL:
-            return _full_model_state_dict(engine)
-        return _sharded_model_state_dict(engine)
+        made = _Layout(engine, StateDictType.parse(layout))
+        if made.idle:
+            return {}
+        out: dict[str, Any] = {}
+        whole: dict[int, Any] = {}  # a tied weight is made once (gathered once, on every rank alike), under each name
+        for key, p, value in _entries(engine):
+            if p is not None and id(p) not in whole:
+                whole[id(p)] = made.rows(p, p.sharded.detach())
+            out[key] = whole[id(p)] if p is not None else made.plain(value)
+        return out if made.holds else {}
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, layout: StateDictType | str) -> dict[str, Any]:
@@ -86,9 +93,14 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, layout: StateD
     _refuse_tensor_parallel(engine)
     params, state, groups = _named_optimizer_state(engine, optimizer)
     with _plain_tensors():
-        if StateDictType.parse(layout) is StateDictType.FULL:
-            return _full_optimizer_state_dict(engine, params, state, groups)
-        return _sharded_optimizer_state_dict(engine, params, state, groups)
+        made = _Layout(engine, StateDictType.parse(layout))
+        if made.idle:
+            return {}
+        out = {name: {key: made.rows(params[name], value.detach()) if _is_per_row(params[name], value)
+                      else made.plain(value)
+                      for key, value in sorted(param_state.items())}  # the same order on every rank: each is collective
+               for name, param_state in state.items()}
+        return {"state": out, "param_groups": groups} if made.holds else {}
 
 
 def state_dicts_available(engine: ShardedModule) -> bool:
@@ -110,57 +122,29 @@ def _refuse_tensor_parallel(engine: ShardedModule) -> None:
         )
 
 
-# Full: gathered on global rank 0 #
+class _Layout:
+    """What a state dict in ``layout`` makes of each value (see [Note: state dicts of a sharded model]): of this rank's
+    rows of a parameter or of a state shaped like it (``rows``), and of anything else (``plain``). ``"full"``: the
+    whole tensor gathered on global rank 0, which alone ``holds`` the state dict; the ranks of other replicas than
+    replica 0 (whose ranks gather) take no part (``idle``). ``"sharded"``: a ``DTensor`` view on every rank."""
 
+    def __init__(self, engine: ShardedModule, layout: StateDictType) -> None:
+        mesh, self.engine, self.full = engine.mesh, engine, layout is StateDictType.FULL
+        self.idle = self.full and mesh.replicate_rank != 0
+        self.holds = not self.full or (mesh.rank == 0 and mesh.tensor_parallel_rank == 0)
+        self.units = _unit_names(engine)
+        self.device_mesh = None if self.full else _device_mesh(engine)
 
-def _full_model_state_dict(engine: ShardedModule) -> dict[str, Any]:
-    mesh = engine.mesh
-    if mesh.replicate_rank != 0:
-        return {}  # replicas hold the same shards as replica 0, whose ranks gather for rank 0
-    holds = mesh.rank == 0 and mesh.tensor_parallel_rank == 0  # global rank 0
-    units = _unit_names(engine)
-    out: dict[str, Any] = {}
-    gathered: dict[int, Tensor | None] = {}  # a tied weight is gathered once, on every rank alike
-    for key, p, value in _entries(engine):
-        if p is None:
-            if holds:
-                out[key] = value.detach().cpu() if isinstance(value, Tensor) else value
-            continue
-        if id(p) not in gathered:
-            full = _gather_to_cpu(engine, p, p.sharded.detach(), units[id(p)])
-            gathered[id(p)] = full if holds else None  # the others hold at most one full tensor at a time
-            del full
-        if holds:
-            out[key] = gathered[id(p)]
-    return out
+    def rows(self, p: ShardedParam, local: Tensor) -> Tensor | None:
+        if self.device_mesh is not None:
+            return _as_dtensor(self.engine, self.device_mesh, p, local, self.units[id(p)])
+        full = _gather_to_cpu(self.engine, p, local, self.units[id(p)])
+        return full if self.holds else None  # the other ranks hold at most one full tensor at a time
 
-
-def _full_optimizer_state_dict(
-    engine: ShardedModule,
-    params: dict[str, ShardedParam],
-    state: dict[str, dict[str, Any]],
-    groups: list[dict[str, Any]],
-) -> dict[str, Any]:
-    mesh = engine.mesh
-    if mesh.replicate_rank != 0:
-        return {}
-    holds = mesh.rank == 0 and mesh.tensor_parallel_rank == 0  # global rank 0
-    units = _unit_names(engine)
-    full_state: dict[str, dict[str, Any]] = {}
-    for name, param_state in state.items():
-        p = params[name]
-        values: dict[str, Any] = {}
-        for key, value in sorted(param_state.items()):  # the same order on every rank: each gather is collective
-            if _is_per_row(p, value):
-                full = _gather_to_cpu(engine, p, value.detach(), units[id(p)])
-                if holds:
-                    values[key] = full
-                del full
-            elif holds:
-                values[key] = value.detach().cpu() if isinstance(value, Tensor) else value
-        if holds:
-            full_state[name] = values
-    return {"state": full_state, "param_groups": groups} if holds else {}
+    def plain(self, value: Any) -> Any:
+        if isinstance(value, Tensor) and self.holds:
+            return value.detach().cpu() if self.full else value.detach()
+        return value if self.holds else None
 
 
 def _gather_to_cpu(engine: ShardedModule, p: ShardedParam, local: Tensor, unit: str) -> Tensor:
@@ -171,40 +155,6 @@ def _gather_to_cpu(engine: ShardedModule, p: ShardedParam, local: Tensor, unit: 
     if full.untyped_storage().nbytes() != full.numel() * full.element_size():
         full = full.clone()
     return full
-
-
-# Sharded: DTensor views of every rank's rows #
-
-
-def _sharded_model_state_dict(engine: ShardedModule) -> dict[str, Any]:
-    device_mesh, units = _device_mesh(engine), _unit_names(engine)
-    out: dict[str, Any] = {}
-    made: dict[int, DTensor] = {}
-    for key, p, value in _entries(engine):
-        if p is None:
-            out[key] = value.detach() if isinstance(value, Tensor) else value
-            continue
-        if id(p) not in made:  # a tied weight: one DTensor under each of its names
-            made[id(p)] = _as_dtensor(engine, device_mesh, p, p.sharded.detach(), units[id(p)])
-        out[key] = made[id(p)]
-    return out
-
-
-def _sharded_optimizer_state_dict(
-    engine: ShardedModule,
-    params: dict[str, ShardedParam],
-    state: dict[str, dict[str, Any]],
-    groups: list[dict[str, Any]],
-) -> dict[str, Any]:
-    device_mesh, units = _device_mesh(engine), _unit_names(engine)
-    sharded: dict[str, dict[str, Any]] = {}
-    for name, param_state in state.items():
-        p = params[name]
-        sharded[name] = {
-            key: _as_dtensor(engine, device_mesh, p, value.detach(), units[id(p)]) if _is_per_row(p, value) else value
-            for key, value in sorted(param_state.items())
-        }
-    return {"state": sharded, "param_groups": groups}
 
 
 def _device_mesh(engine: ShardedModule) -> DeviceMesh:

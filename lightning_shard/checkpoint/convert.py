@@ -1,5 +1,5 @@
 """``lightning-shard convert SRC OUT``: a checkpoint of another strategy (a Lightning ``.ckpt`` or a
-``torch.distributed.checkpoint`` directory, see ``sources``) written as a lightning_shard checkpoint directory in
+``torch.distributed.checkpoint`` directory, see ``open.py``) written as a lightning_shard checkpoint directory in
 the full layout, which ``ShardStrategy`` resumes from at any world size.
 
 No process group is needed. Memory stays bounded by the largest tensor: each is read (rows from a memory-mapped
@@ -15,6 +15,7 @@ allocated) and its ``configure_optimizers()`` gives the parameter groups.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import uuid
 from collections.abc import Callable
@@ -26,15 +27,6 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.foreign.foreign import (
-    ForeignCheckpoint,
-    ForeignOptimizer,
-    ForeignTensor,
-    ParamKeys,
-    name_positions,
-)
-from lightning_shard.checkpoint.foreign.foreign_load import per_element_states
-from lightning_shard.checkpoint.foreign.sources import CheckpointKind, detect, read_foreign
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
     MODEL_PREFIX,
@@ -45,25 +37,32 @@ from lightning_shard.checkpoint.format import (
 )
 from lightning_shard.checkpoint.format.safetensors_header import SAVE_ID_METADATA
 from lightning_shard.checkpoint.format.trainer_state import to_json_tree
-from lightning_shard.checkpoint.io.index import FileRecord, SavedTensor, build_index, encode_index
+from lightning_shard.checkpoint.interop.export import ExportResult
+from lightning_shard.checkpoint.interop.foreign import (
+    ForeignCheckpoint,
+    ForeignOptimizer,
+    ForeignTensor,
+    ParamKeys,
+    name_positions,
+    per_element_states,
+)
+from lightning_shard.checkpoint.io.index import (
+    FileRecord,
+    SavedTensor,
+    build_index,
+    encode_index,
+    index_head,
+    optimizer_entry,
+)
 from lightning_shard.checkpoint.io.storage import local_only
-from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter, sha256_file
+from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter
+from lightning_shard.checkpoint.open import CheckpointKind, detect, read_foreign
 from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
-from lightning_shard.checkpoint.save.save import index_head, write_trainer_state
+from lightning_shard.checkpoint.save.directory import write_trainer_state
 from lightning_shard.engine.option_choices import StateDictType
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
-
-
-@dataclass(frozen=True)
-class ConvertResult:
-    """What ``convert`` wrote."""
-
-    output: Path
-    kind: CheckpointKind  # what the source was
-    tensors: int  # model tensors written (tied ones once)
-    optimizers: int  # optimizer states written
 
 
 def convert(
@@ -71,7 +70,7 @@ def convert(
     output: str | Path,
     module: Callable[..., nn.Module] | None = None,
     overwrite: bool = False,
-) -> ConvertResult:
+) -> ExportResult:
     """Write the foreign checkpoint ``source`` as a lightning_shard checkpoint directory at ``output``.
 
     ``module`` builds the LightningModule that wrote a ``.ckpt`` (a class is called with the checkpoint's
@@ -97,7 +96,12 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ConvertResult(out, kind, len(foreign.model), len(foreign.optimizers))
+    optimizer_tensors = [v for saved in foreign.optimizers for state in saved.state.values() for v in state.values()
+                         if isinstance(v, ForeignTensor)]
+    files = [MODEL_FILE, OPTIMIZER_FILE] if optimizer_tensors else [MODEL_FILE]
+    total = sum(math.prod(t.shape) * t.dtype.itemsize for t in [*foreign.model.values(), *optimizer_tensors])
+    what = f"{kind.value} ({len(foreign.model)} model tensors, {len(foreign.optimizers)} optimizer states)"
+    return ExportResult(out, files, {key: dtype_name(t.dtype) for key, t in foreign.model.items()}, total, what)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,7 +209,8 @@ def _write(foreign: ForeignCheckpoint, named: list[_NamedOptimizer], directory: 
         records += _stream(directory / OPTIMIZER_FILE, tensors, {SAVE_ID_METADATA: save_id})
     trainer_tensors: dict[str, Tensor] = {}
     records += write_trainer_state(directory, to_json_tree(foreign.values, trainer_tensors), trainer_tensors)
-    head = index_head(StateDictType.FULL, 1, (1, 1), "FULL_SHARD", foreign.ties, optimizers, save_id)
+    head = index_head(StateDictType.FULL.value, 1, (1, 1), "FULL_SHARD", save_id,
+                      {"ties": foreign.ties, "optimizers": optimizers})
     saved_tensors = [SavedTensor(key, t.shape, t.dtype, split=False) for key, t in model + tensors]
     return encode_index(build_index(head, saved_tensors, records))
 
@@ -215,16 +220,8 @@ def _optimizer(
 ) -> tuple[dict[str, Any], list[tuple[str, ForeignTensor]]]:
     """Optimizer ``i``'s index entry (groups by name, plain values, 0-dim parameters' per-element states) and its
     tensors."""
-    groups = []
-    for group, names in zip(saved.param_groups, named.groups):
-        option_tensors: dict[str, Tensor] = {}
-        options = to_json_tree({k: v for k, v in group.items() if k != "params"}, option_tensors, f"optimizer {i}")
-        if option_tensors:
-            raise CheckpointError(
-                f"Optimizer {i} of {where} has tensor-valued options ({', '.join(sorted(option_tensors))}), which a"
-                " lightning_shard checkpoint stores as plain values only."
-            )
-        groups.append({"params": names, "options": options})
+    groups = [(names, {k: v for k, v in group.items() if k != "params"})
+              for group, names in zip(saved.param_groups, named.groups)]
     values: dict[str, dict[str, Any]] = {}
     row_states: dict[str, list[str]] = {}
     tensors: list[tuple[str, ForeignTensor]] = []
@@ -238,11 +235,8 @@ def _optimizer(
                 if state_name in named.per_element and not value.shape:
                     row_states.setdefault(name, []).append(state_name)
             else:
-                values.setdefault(name, {})[state_name] = to_json_tree(value, {}, f"optimizer {i}/{name}")
-    meta: dict[str, Any] = {"param_groups": groups, "values": values}
-    if row_states:
-        meta["scalar_param_states"] = row_states
-    return meta, tensors
+                values.setdefault(name, {})[state_name] = value
+    return optimizer_entry(i, groups, values, row_states, {}, f" of {where}"), tensors
 
 
 def _stream(path: Path, tensors: list[tuple[str, ForeignTensor]], metadata: dict[str, str]) -> list[FileRecord]:
@@ -251,14 +245,8 @@ def _stream(path: Path, tensors: list[tuple[str, ForeignTensor]], metadata: dict
     for _, stored in tensors:
         dtype_name(stored.dtype)  # refuses a dtype a checkpoint cannot hold, naming it, before the file is begun
     in_file = {key: key.removeprefix(MODEL_PREFIX) for key, _ in tensors}
-    writer = SafetensorsStreamWriter(path, [(in_file[k], t.dtype, t.shape) for k, t in tensors],
-                                     metadata={"format": FORMAT_NAME, **metadata}, checksums=True)
-    try:
+    with SafetensorsStreamWriter(path, [(in_file[k], t.dtype, t.shape) for k, t in tensors],
+                                 metadata={"format": FORMAT_NAME, **metadata}, checksums=True) as writer:
         for key, stored in tensors:
             writer.write(in_file[key], stored.read_all().reshape(stored.shape))
-    except BaseException:
-        writer.close_quietly()
-        raise
-    writer.close()
-    return [FileRecord(path.name, path.stat().st_size, sha256_file(path), None, in_file,
-                       header_sha256=writer.header_sha256)]
+    return [FileRecord.written(path, None, in_file, header_sha256=writer.header_sha256)]

@@ -1,4 +1,4 @@
-"""Loading a checkpoint directory (or a plain ``.safetensors`` model file) into a sharded model.
+"""Loading a checkpoint directory into a sharded model (and, for a module that is not sharded, its full tensors).
 
 Each rank reads only the rows of each tensor that its shards hold, whatever world size, mesh,
 sharding strategy or wrap policy wrote the checkpoint, opening only the files that hold them (see
@@ -9,12 +9,10 @@ a damaged file stops all ranks with the same error instead of leaving some waiti
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -28,17 +26,14 @@ from lightning_shard.checkpoint.format import (
     CheckpointError,
     check_loadable,
     member_named,
-    member_path,
-    submodule_prefix,
 )
 from lightning_shard.checkpoint.format.trainer_state import from_json_tree
 from lightning_shard.checkpoint.io.agreement import agree
-from lightning_shard.checkpoint.io.files import CheckpointFiles
 from lightning_shard.checkpoint.io.index import LEFT_OUT, checkpoint_files, iter_index_tensors, model_ties, read_index
-from lightning_shard.checkpoint.io.layout import StoredTensor, Whole, require_complete
-from lightning_shard.checkpoint.io.reader import RowReads
+from lightning_shard.checkpoint.io.layout import StoredTensor, require_complete
+from lightning_shard.checkpoint.io.reader import FileHandles, RowReads, read_tensor
 from lightning_shard.checkpoint.io.selection import expect_left_out
-from lightning_shard.checkpoint.io.storage import Location, local_only
+from lightning_shard.checkpoint.io.storage import Location
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 from lightning_shard.engine.whole_tensor_step import note_loaded_split
@@ -52,13 +47,15 @@ class LoadResult:
     unexpected_keys: list[str]
 
 
-def load_trainer_state(directory: Location) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Lightning's checkpoint dict without model and optimizer tensors, and the index. Never unpickles. Both files
-    are read whole and, in a sealed checkpoint, checked against their SHA-256 first (see [Note: what a load
-    verifies])."""
+def load_trainer_state(
+    directory: Location, index: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint dict without model and optimizer tensors, and the index (``index``, when it was read
+    already). Never unpickles. Both files are read whole and, in a sealed checkpoint, checked against their SHA-256
+    first (see [Note: what a load verifies])."""
     from safetensors.torch import load
 
-    index = read_index(directory)
+    index = read_index(directory) if index is None else index
     files = checkpoint_files(directory, index)
     json_name, tensors_name = (member_named(index["files"], n) for n in (TRAINER_STATE_JSON, TRAINER_STATE_TENSORS))
     if index["files"].get(json_name, {}).get("size", 0) > MAX_JSON_BYTES:
@@ -89,6 +86,17 @@ def _parsed(path: Any, data: bytes, parse: Callable[[bytes], Any]) -> Any:
         ) from None
 
 
+def sharded_engine(module: nn.Module, caller: str) -> ShardedModule:
+    """The engine that sharded ``module``, for ``caller`` (``"load_gguf_into()"``), which loads weights into it."""
+    engine = sharded_module_of(module)
+    if engine is None:
+        raise CheckpointError(
+            f"{caller} needs the model ShardStrategy has sharded (the LightningModule after the Trainer set it up,"
+            " e.g. from on_fit_start, or after fabric.setup_module); this module is not sharded."
+        )
+    return engine
+
+
 def load_model(
     engine: ShardedModule, module: nn.Module, directory: Location, index: dict[str, Any], strict: bool = True
 ) -> LoadResult:
@@ -96,38 +104,60 @@ def load_model(
     return load_model_and_optimizers(engine, module, None, directory, index, strict)
 
 
+def load_optimizers(
+    engine: ShardedModule, optimizers: Sequence[Optimizer], directory: Location, index: dict[str, Any],
+    strict: bool = True,
+) -> None:
+    """Load every optimizer's state (this rank's rows of per-parameter tensors) from the checkpoint. Collective.
+
+    With ``strict=False``, parameters the checkpoint does not know start with fresh optimizer state."""
+    load_model_and_optimizers(engine, None, optimizers, directory, index, strict)
+
+
 def load_model_and_optimizers(
     engine: ShardedModule,
-    module: nn.Module,
+    module: nn.Module | None,
     optimizers: Sequence[Optimizer] | None,
     directory: Location,
     index: dict[str, Any],
     strict: bool = True,
 ) -> LoadResult:
-    """``load_model``, then ``load_optimizers`` (unless ``optimizers`` is ``None``), in one read: each shard file is
-    opened once for both (see [Note: reading only what a rank needs]). Collective."""
+    """``load_model`` (unless ``module`` is ``None``), then ``load_optimizers`` (unless ``optimizers`` is ``None``),
+    in one read: each shard file is opened once for both (see [Note: reading only what a rank needs]). Collective."""
     ties = model_ties(index)
-    available = covered_keys(engine, {key for key, _ in iter_index_tensors(index, MODEL_PREFIX)} | set(ties))
-    # A checkpoint that left weights out: they are checked before the next forward instead of counting as missing
-    # (see [Note: weights a checkpoint leaves out]).
-    accounted = expect_left_out(engine, module, index.get(LEFT_OUT, {}), directory, strict)
-    available -= other_stages_keys(module, available)  # see [Note: the user's forward runs on every stage]
-    result = check_model_keys(module, available | accounted, strict, "The checkpoint",
-                              _shape_mismatches(engine, module, index, ties))
+    entries = dict(iter_index_tensors(index, MODEL_PREFIX))
+    result, available = LoadResult([], []), set[str]()
+    plan, buffers, mismatched = model_targets(engine, module, entries, ties) if module is not None else ([], [], [])
+    if module is not None:
+        available = covered_keys(engine, set(entries) | set(ties))
+        # A checkpoint that left weights out: they are checked before the next forward instead of counting as missing
+        # (see [Note: weights a checkpoint leaves out]).
+        accounted = expect_left_out(engine, module, index.get(LEFT_OUT, {}), directory, strict)
+        available -= other_stages_keys(module, available)  # see [Note: the user's forward runs on every stage]
+        result = check_model_keys(module, available | accounted, strict, "The checkpoint", mismatched)
 
     def read() -> tuple[RowReads, list[Tensor], list[dict[str, Any]]]:
         reads = RowReads()
-        _add_model_rows(reads, engine, module, directory, index, ties)
+        if mismatched:  # checked before anything is allocated or read
+            raise CheckpointError("Checkpoint tensors do not match the model's shapes: " + "; ".join(mismatched))
+        require_complete(directory, entries, [key for key, _ in plan] + [key for key, _ in buffers])
+        for key, p in plan:  # a failure stops all ranks via agree()
+            start, stop, columns = p.rows_in_full()
+            reads.add(entries[key], start, stop, p.sharded, columns)
+        for key, buf in buffers:
+            reads.add(entries[key], 0, entries[key].rows, buf)
         pending: list[_Pending] = []
         states = ([] if optimizers is None
                   else _optimizer_states(engine, optimizers, directory, index, strict, reads, pending))
         results = reads.read()
-        _fill(pending, results)
+        for slot in pending:
+            slot.into[slot.name] = results[slot.result].reshape(slot.shape)
         return reads, results, states
 
     reads, results, states = agree(read)  # see [Note: a failed load changes nothing]
     reads.commit(results)
-    engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
+    if module is not None:
+        engine.mark_initialized(available)  # see [Note: parameters nothing initialises]
     for i, (optimizer, state) in enumerate(zip(optimizers or [], states)):
         optimizer.load_state_dict(state)
         _tell_whole_states(engine, optimizer, index["optimizers"][i])
@@ -151,11 +181,6 @@ class _Pending(NamedTuple):
     name: str
     result: int
     shape: tuple[int, ...]
-
-
-def _fill(pending: list[_Pending], results: list[Tensor]) -> None:
-    for p in pending:
-        p.into[p.name] = results[p.result].reshape(p.shape)
 
 
 def covered_keys(engine: ShardedModule, stored: set[str]) -> set[str]:
@@ -184,7 +209,7 @@ def check_model_keys(
 ) -> LoadResult:
     """The model's missing and unexpected keys against ``available``; with ``strict`` either kind raises, naming
     ``source`` (what is being loaded). ``shape_mismatches``: the keys both hold in other shapes, as described by
-    ``_mismatch``; then ``strict_loading = False`` would not help, and the error does not suggest it."""
+    ``model_targets``; then ``strict_loading = False`` would not help, and the error does not suggest it."""
     expected = set(module.state_dict().keys())
     result = LoadResult(sorted(expected - available), sorted(available - expected))
     if strict and (result.missing_keys or result.unexpected_keys):
@@ -206,76 +231,47 @@ def _some(items: Sequence[str], shown: int = 8) -> str:
     return f"[{listed}, and {len(items) - shown} more]" if len(items) > shown else f"[{listed}]"
 
 
-def _add_model_rows(
-    reads: RowReads,
-    engine: ShardedModule,
-    module: nn.Module,
-    directory: Location,
-    index: dict[str, Any],
-    ties: dict[str, str],
+def optimizer_groups(
+    engine: ShardedModule, optimizer: Optimizer, what: str
+) -> tuple[list[list[str]], dict[str, int]]:
+    """The names of the parameters of each of ``optimizer``'s groups, and the position of each in its state dict;
+    ``what`` names the optimizer when it holds a tensor that is not a sharded parameter of ``engine``."""
+    by_shard = {id(p.sharded): p for p in engine.sharded_params()}
+    unknown = [q for g in optimizer.param_groups for q in g["params"] if id(q) not in by_shard]
+    if unknown:
+        raise CheckpointError(f"{what}: the optimizer holds {len(unknown)} tensors that are not sharded parameters.")
+    groups = [[by_shard[id(q)].fqn for q in g["params"]] for g in optimizer.param_groups]
+    return groups, {name: j for j, name in enumerate(n for g in groups for n in g)}
+
+
+def check_named_groups(
+    stored_groups: Sequence[Sequence[Any]], groups: Sequence[Sequence[str]], what: str, strict: bool
 ) -> None:
-    """Add to ``reads`` this rank's rows of every parameter and buffer the checkpoint holds, straight into the shards
-    and buffers (checked against the model's shapes first)."""
-    entries, plan, buffers = _model_targets(engine, module, index, ties)
-    mismatched = _shape_mismatches(engine, module, index, ties)
-    if mismatched:  # checked before anything is allocated or read
-        raise CheckpointError("Checkpoint tensors do not match the model's shapes: " + "; ".join(mismatched))
-    require_complete(directory, entries, [key for key, _ in plan] + [key for key, _ in buffers])
-    for key, p in plan:  # a failure stops all ranks via agree()
-        start, stop, columns = p.rows_in_full()
-        reads.add(entries[key], start, stop, p.sharded, columns)
-    for key, buf in buffers:
-        reads.add(entries[key], 0, entries[key].rows, buf)
+    """A name-keyed optimizer state's groups hold the names of the optimizer's groups (with ``strict=False``, the
+    same number of groups suffices: parameters the checkpoint does not know start fresh)."""
+    stored = [sorted(map(str, g)) for g in stored_groups]
+    if stored != [sorted(g) for g in groups] and (strict or len(stored) != len(groups)):
+        raise CheckpointError(
+            f"{what} has parameter groups {[list(g) for g in stored_groups]}, the model's optimizer has"
+            f" {[list(g) for g in groups]}."
+        )
 
 
-def _model_targets(
-    engine: ShardedModule, module: nn.Module, index: dict[str, Any], ties: dict[str, str]
-) -> tuple[dict[str, StoredTensor], list[tuple[str, ShardedParam]], list[tuple[str, Tensor]]]:
-    """The checkpoint's model entries, and what of the model each fills: ``(key, parameter)`` and ``(key, buffer)``."""
-    entries = dict(iter_index_tensors(index, MODEL_PREFIX))
-    plan = []
-    for p in engine.sharded_params():
-        key = next((ties.get(f, f) for f in p.fqns if ties.get(f, f) in entries), None)
-        if key is not None:
-            plan.append((key, p))
+def model_targets(
+    engine: ShardedModule, module: nn.Module, stored: Mapping[str, Any], ties: Mapping[str, str]
+) -> tuple[list[tuple[str, ShardedParam]], list[tuple[str, Tensor]], list[str]]:
+    """What of the model each tensor of ``stored`` (key -> anything with a ``shape`` and a ``dtype``) fills, as
+    ``(key, parameter)`` and ``(key, buffer)`` (a tied weight through the name ``ties`` says it is stored under), and
+    each of those that cannot be loaded, described (``check_loadable``)."""
+    plan = [(key, p) for p in engine.sharded_params()
+            if (key := next((ties.get(f, f) for f in p.fqns if ties.get(f, f) in stored), None)) is not None]
     owned = {f for p in engine.sharded_params() for f in p.fqns}
-    buffers = [(k, b) for k, b in module.named_buffers(remove_duplicate=False) if k in entries and k not in owned]
-    return entries, plan, buffers
-
-
-def _shape_mismatches(
-    engine: ShardedModule, module: nn.Module, index: dict[str, Any], ties: dict[str, str]
-) -> list[str]:
-    """Each key the checkpoint and the model both have whose shape or dtype cannot be loaded, described."""
-    entries, plan, buffers = _model_targets(engine, module, index, ties)
+    buffers = [(ties.get(k, k), b) for k, b in module.named_buffers(remove_duplicate=False)
+               if ties.get(k, k) in stored and k not in owned]
     targets = [(key, p.full_shape, p.dtype) for key, p in plan] + [(key, b.shape, b.dtype) for key, b in buffers]
-    return [problem for key, shape, dtype in targets if (problem := _mismatch(key, entries[key], shape, dtype))]
-
-
-def _mismatch(key: str, entry: StoredTensor, shape: Any, dtype: torch.dtype) -> str | None:
-    return check_loadable(key, entry.shape, entry.dtype, shape, dtype)
-
-
-def load_optimizers(
-    engine: ShardedModule,
-    optimizers: Sequence[Optimizer],
-    directory: Location,
-    index: dict[str, Any],
-    strict: bool = True,
-) -> None:
-    """Load every optimizer's state (this rank's rows of per-parameter tensors) from the checkpoint. Collective.
-
-    With ``strict=False``, parameters the checkpoint does not know start with fresh optimizer state.
-    """
-    def read() -> list[dict[str, Any]]:
-        reads, pending = RowReads(), list[_Pending]()
-        states = _optimizer_states(engine, optimizers, directory, index, strict, reads, pending)
-        _fill(pending, reads.read())
-        return states
-
-    for i, (optimizer, state) in enumerate(zip(optimizers, agree(read))):
-        optimizer.load_state_dict(state)
-        _tell_whole_states(engine, optimizer, index["optimizers"][i])
+    problems = [problem for key, shape, dtype in targets
+                if (problem := check_loadable(key, stored[key].shape, stored[key].dtype, shape, dtype))]
+    return plan, buffers, problems
 
 
 def _tell_whole_states(engine: ShardedModule, optimizer: Optimizer, meta: dict[str, Any]) -> None:
@@ -317,17 +313,12 @@ def _optimizer_state(
 ) -> dict[str, Any]:
     """Optimizer ``i``'s state dict, its per-parameter tensors to be filled from ``reads`` (added to it and to
     ``pending`` here)."""
-    by_shard = {id(p.sharded): p for p in engine.sharded_params()}
-    current = [[by_shard[id(q)].fqn for q in group["params"]] for group in optimizer.param_groups]
-    position = {name: j for j, name in enumerate(n for group in current for n in group)}
+    current, position = optimizer_groups(engine, optimizer, f"Optimizer {i}")
     stored = [group["params"] for group in meta["param_groups"]]
     if engine.mesh.pipeline is not None:  # a pipeline stage's optimizer holds its own parameters only
         held = {name for group in current for name in group}
         stored = [[name for name in group if name in held] for group in stored]
-    if [sorted(g) for g in current] != [sorted(g) for g in stored] and (strict or len(stored) != len(current)):
-        raise CheckpointError(
-            f"Optimizer {i} in the checkpoint has parameter groups {stored}, the model's optimizer has {current}."
-        )
+    check_named_groups(stored, current, f"Optimizer {i} in the checkpoint", strict)
     groups = []
     for group, names_in_group in zip(meta["param_groups"], current):
         options = _decoded(group["options"], f"Optimizer {i}'s options", directory)
@@ -380,7 +371,7 @@ def _check_optimizer_shapes(i: int, entries: list[tuple[str, StoredTensor]], sha
     for key, entry in entries:
         p = sharded[key.rsplit("/", 1)[0]]
         if entry.shape:
-            problem = _mismatch(f"{OPTIMIZER_PREFIX}{i}/{key}", entry, p.full_shape, p.dtype)
+            problem = check_loadable(f"{OPTIMIZER_PREFIX}{i}/{key}", entry.shape, entry.dtype, p.full_shape, p.dtype)
             if problem:
                 problems.append(problem)
     if problems:
@@ -389,93 +380,12 @@ def _check_optimizer_shapes(i: int, entries: list[tuple[str, StoredTensor]], sha
         )
 
 
-
-
-# --------------------------------------------------------------------------------------------------
-# A plain model file
-# --------------------------------------------------------------------------------------------------
-
-
-def load_safetensors_into(
-    module: nn.Module,
-    path: str | Path,
-    prefix: str = "",
-    strict: bool = True,
-    rename: Callable[[str], str] | None = None,
-) -> LoadResult:
-    """Load full model weights in safetensors form into a model that ``ShardStrategy`` (or ``shard_model``) has
-    sharded; each rank reads only its rows of each tensor, opening each file once. Collective: every rank must call
-    it, e.g. in ``on_fit_start``.
-
-    ``path`` is one ``.safetensors`` file (a consolidated checkpoint, a Hugging Face model file), a Hugging Face
-    ``*.safetensors.index.json`` (its ``weight_map`` names the file of each tensor), or a directory holding either
-    as ``save_pretrained`` writes it (``model.safetensors.index.json`` is preferred to ``model.safetensors``).
-    ``prefix`` is prepended to the file's keys to match the module's ``state_dict`` keys (``"model."`` or
-    ``"model"`` when the LightningModule holds the network as ``self.model``: a prefix names a submodule), after
-    ``rename`` (if given) maps each file key.
-    A tied weight the files store once (GPT-2's ``lm_head.weight``) is loaded through the name they store.
-    The files are validated before any tensor data is read (see docs/checkpoint_format.md). Returns the missing
-    and unexpected keys."""
-    engine = sharded_module_of(module)
-    if engine is None:
-        raise CheckpointError(
-            "load_safetensors_into() needs the model ShardStrategy has sharded (the LightningModule after the"
-            " Trainer set it up, e.g. from on_fit_start); this module is not sharded."
-        )
-    directory, tensors = agree(lambda: _safetensors_tensors(local_only(path, "load_safetensors_into()")))
-    prefix = submodule_prefix(prefix)
-    index = {"tensors": {MODEL_PREFIX + prefix + (rename(key) if rename else key): e for key, e in tensors.items()}}
-    return load_model(engine, module, directory, index, strict=strict)
-
-
-HF_INDEX_SUFFIX = ".safetensors.index.json"
-
-
-def _safetensors_tensors(path: Path) -> tuple[Path, dict[str, StoredTensor]]:
-    """The directory and the checked tensors (keyed by the files' keys) of a ``.safetensors`` file, a Hugging Face
-    index, or a directory holding either. Every file's header is read and checked here: a ``weight_map`` says
-    nothing of shapes."""
-    if path.is_dir():
-        found = [path / name for name in ("model" + HF_INDEX_SUFFIX, "model.safetensors") if (path / name).is_file()]
-        if not found:
-            raise CheckpointError(
-                f"{path} holds neither model{HF_INDEX_SUFFIX} nor model.safetensors; pass the file itself."
-            )
-        path = found[0]
-    directory = path.parent
-    if path.name.endswith(HF_INDEX_SUFFIX):
-        weight_map = _read_weight_map(path)
-    elif path.is_file():
-        weight_map = None
-    else:
-        raise CheckpointError(f"Cannot read the safetensors file {path}: it does not exist.")
-    names = sorted(set(weight_map.values())) if weight_map is not None else [path.name]
-    missing = [name for name in names if not member_path(directory, name).is_file()]
-    if missing:
-        raise CheckpointError(f"{path} refers to files missing from {directory}: {missing}.")
-    files = CheckpointFiles(directory, {name: (directory / name).stat().st_size for name in names})
-    headers = {name: files.header(name) for name in names}
-    if weight_map is None:
-        weight_map = dict.fromkeys(headers[path.name].entries, path.name)
-    tensors = {}
-    for key, name in weight_map.items():
-        info = headers[name].entries.get(key)
-        if info is None:
-            raise CheckpointError(f"{path}: {key!r} is mapped to {directory / name}, which does not hold it.")
-        rows = info.shape[0] if info.shape else 1
-        tensors[key] = StoredTensor(key, info.shape, info.dtype, Whole(name, key, rows), files)
-    return directory, tensors
-
-
-def _read_weight_map(path: Path) -> dict[str, str]:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_JSON_BYTES + 1)
-        if len(data) > MAX_JSON_BYTES:
-            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes, which no index is")
-        weight_map = json.loads(data)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
-        raise CheckpointError(f"{path} is not a safetensors index with a 'weight_map' ({err}).") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{path}: 'weight_map' must map each tensor name to a file name.")
-    return weight_map
+def full_model_state(directory: Location, index: dict[str, Any]) -> dict[str, Any]:
+    """Every model tensor of the checkpoint in full under the LightningModule's keys (tied weights under each name),
+    in memory: for a module that is not sharded (``fabric.load_raw`` into a plain module)."""
+    require_complete(directory, index["tensors"])
+    with FileHandles() as handles:
+        state = {key: read_tensor(entry, handles) for key, entry in iter_index_tensors(index, MODEL_PREFIX)}
+    for alias, stored in model_ties(index).items():
+        state[alias] = state[stored]
+    return state

@@ -1,14 +1,14 @@
-"""What a checkpoint path holds, and the one way to load it: ``open_checkpoint(path)`` returns a
-``CheckpointSource`` whatever the format, which gives Lightning's checkpoint dict and fills a sharded model and its
-optimizers.
+"""The opener of every checkpoint: what a path holds (``detect``), and the one way to load it:
+``open_checkpoint(path)`` returns a ``CheckpointSource`` whatever the format, which gives Lightning's checkpoint dict
+and fills a sharded model and its optimizers.
 
 Formats read:
 
 - a lightning_shard checkpoint directory (``index.json``: docs/checkpoint_format.md);
 - a Lightning ``.ckpt`` file, the ``torch.save`` archive DDP, single-device training, FSDPStrategy with
-  ``state_dict_type="full"`` and ``fabric.save`` under those write (``lightning_ckpt``);
+  ``state_dict_type="full"`` and ``fabric.save`` under those write (``interop/lightning_ckpt.py``);
 - a ``torch.distributed.checkpoint`` directory (``.metadata``), as ModelParallelStrategy (FSDP2) and FSDPStrategy
-  with ``state_dict_type="sharded"`` write it (``dcp``).
+  with ``state_dict_type="sharded"`` write it (``interop/dcp.py``).
 
 Anything else is refused with a ``CheckpointError`` that says what the path holds. No format is unpickled in full
 (see [Note: no pickle runs]).
@@ -25,14 +25,12 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.foreign.foreign import ForeignCheckpoint
 from lightning_shard.checkpoint.format import INDEX_FILE, CheckpointError
+from lightning_shard.checkpoint.interop.foreign import ForeignCheckpoint, load_foreign_model, load_foreign_optimizers
 from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, is_url
-from lightning_shard.checkpoint.load.load import (
+from lightning_shard.checkpoint.load.directory import (
     LoadResult,
-    load_model,
     load_model_and_optimizers,
-    load_optimizers,
     load_trainer_state,
 )
 from lightning_shard.engine.sharded_module import ShardedModule
@@ -49,8 +47,8 @@ class CheckpointKind(enum.Enum):
 def detect(path: Path) -> CheckpointKind:
     """What ``path`` holds, from its names and first bytes only; ``CheckpointError`` saying what was found when it
     is none of ``CheckpointKind``."""
-    from lightning_shard.checkpoint.foreign.dcp import METADATA_FILE
-    from lightning_shard.checkpoint.foreign.torch_files import is_torch_zip
+    from lightning_shard.checkpoint.interop.dcp import METADATA_FILE
+    from lightning_shard.checkpoint.interop.safe_pickle import is_torch_zip
 
     if path.is_dir():
         if (path / INDEX_FILE).exists():
@@ -97,21 +95,14 @@ class CheckpointSource(ABC):
         """How many optimizer states the checkpoint holds."""
 
     @abstractmethod
-    def load_model(self, engine: ShardedModule, module: nn.Module, strict: bool) -> LoadResult:
-        """Fill this rank's rows of ``module`` (sharded as ``engine``)."""
-
-    @abstractmethod
-    def load_optimizers(self, engine: ShardedModule, optimizers: Sequence[Optimizer], strict: bool) -> None:
-        """Fill ``optimizers`` (all the checkpoint holds, in order) with this rank's rows of their state."""
-
     def load_model_and_optimizers(
-        self, engine: ShardedModule, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool
+        self, engine: ShardedModule, module: nn.Module | None, optimizers: Sequence[Optimizer], strict: bool
     ) -> LoadResult:
-        """``load_model``, then ``load_optimizers`` (none: the model alone)."""
-        result = self.load_model(engine, module, strict)
-        if optimizers:
-            self.load_optimizers(engine, optimizers, strict)
-        return result
+        """Fill this rank's rows of ``module`` (sharded as ``engine``; ``None``: not the model) and of ``optimizers``
+        (all the checkpoint holds, in order, or none)."""
+
+    def load_optimizers(self, engine: ShardedModule, optimizers: Sequence[Optimizer], strict: bool) -> None:
+        self.load_model_and_optimizers(engine, None, optimizers, strict)
 
 
 class ShardDirectory(CheckpointSource):
@@ -130,14 +121,8 @@ class ShardDirectory(CheckpointSource):
     def optimizer_count(self) -> int:
         return len(self.index.get("optimizers", []))
 
-    def load_model(self, engine: ShardedModule, module: nn.Module, strict: bool) -> LoadResult:
-        return load_model(engine, module, self.path, self.index, strict=strict)
-
-    def load_optimizers(self, engine: ShardedModule, optimizers: Sequence[Optimizer], strict: bool) -> None:
-        load_optimizers(engine, optimizers, self.path, self.index, strict=strict)
-
     def load_model_and_optimizers(
-        self, engine: ShardedModule, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool
+        self, engine: ShardedModule, module: nn.Module | None, optimizers: Sequence[Optimizer], strict: bool
     ) -> LoadResult:
         """Both in one read: each shard file opened once for the model's rows and the optimizers'."""
         return load_model_and_optimizers(engine, module, optimizers or None, self.path, self.index, strict)
@@ -156,15 +141,13 @@ class ForeignSource(CheckpointSource):
     def optimizer_count(self) -> int:
         return len(self.checkpoint.optimizers)
 
-    def load_model(self, engine: ShardedModule, module: nn.Module, strict: bool) -> LoadResult:
-        from lightning_shard.checkpoint.foreign.foreign_load import load_foreign_model
-
-        return load_foreign_model(engine, module, self.checkpoint, strict=strict)
-
-    def load_optimizers(self, engine: ShardedModule, optimizers: Sequence[Optimizer], strict: bool) -> None:
-        from lightning_shard.checkpoint.foreign.foreign_load import load_foreign_optimizers
-
-        load_foreign_optimizers(engine, optimizers, self.checkpoint, strict=strict)
+    def load_model_and_optimizers(
+        self, engine: ShardedModule, module: nn.Module | None, optimizers: Sequence[Optimizer], strict: bool
+    ) -> LoadResult:
+        result = LoadResult([], []) if module is None else load_foreign_model(engine, module, self.checkpoint, strict)
+        if optimizers:
+            load_foreign_optimizers(engine, optimizers, self.checkpoint, strict)
+        return result
 
 
 def open_checkpoint(
@@ -195,11 +178,11 @@ def read_foreign(
 ) -> ForeignCheckpoint:
     """The foreign checkpoint at ``path`` (``kind`` as ``detect`` gave it)."""
     if kind is CheckpointKind.LIGHTNING_CKPT:
-        from lightning_shard.checkpoint.foreign.lightning_ckpt import read_lightning_ckpt
+        from lightning_shard.checkpoint.interop.lightning_ckpt import read_lightning_ckpt
 
         return read_lightning_ckpt(path, module_key, optimizer_keys)
     if kind is CheckpointKind.DCP_DIRECTORY:
-        from lightning_shard.checkpoint.foreign.dcp import read_dcp
+        from lightning_shard.checkpoint.interop.dcp import read_dcp
 
         return read_dcp(path, module_key, optimizer_keys)
     raise CheckpointError(f"{path} is {kind.value}, not a foreign checkpoint.")

@@ -1,12 +1,15 @@
-"""A GGUF file in: starting a fit from a GPT-2 or Llama GGUF model file, each rank reading only its rows
-(``load_gguf_into``; docs/gguf.md).
+"""GGUF, the format llama.cpp, ollama, LM Studio and transformers' GGUF loader run (docs/gguf.md): a GPT-2 or Llama
+GGUF file read into a sharded model, each rank reading only its rows (``load_gguf_into``), and a checkpoint's model
+written as one GGUF v3 file (``export_gguf``; ``lightning-shard export CKPT OUT.gguf --format gguf``). The
+architectures, their names and layouts are in ``architectures``.
 
-The file is parsed by the ``gguf`` package's ``GGUFReader``, which memory-maps it and walks its header, trusting
-every count and length it finds. It is run here with bounds on that walk (see [Note: a GGUF header is untrusted]);
-the tensors it describes are checked against the file before any of their data is touched. What the file holds is
-then described as a ``ForeignCheckpoint`` under the model's own keys, each tensor read a few Hugging Face rows at a
-time out of GGUF's layout ([Note: GGUF layouts]) and dequantised, so the loader of the other foreign formats
-(``foreign_load``) fills the sharded model with the same checks and the same agreement between ranks.
+A file is parsed by the ``gguf`` package's ``GGUFReader``, run here with bounds on its walk
+([Note: a GGUF header is untrusted]), and described as a ``ForeignCheckpoint`` under the model's own keys, each tensor
+read a few Hugging Face rows at a time and dequantised, so the loader of the other foreign formats fills the sharded
+model with the same checks and the same agreement between ranks. A file is written with ``GGUFWriter``: the metadata
+and the tensor table first (planned from the checkpoint's index, no tensor read), then the data one full tensor at a
+time, each put in GGUF's layout, cast or quantised, written and dropped, so memory stays bounded by the largest tensor
+(and its copy in the output type).
 """
 
 from __future__ import annotations
@@ -22,13 +25,31 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.checkpoint.foreign.foreign import ForeignCheckpoint, ForeignTensor
-from lightning_shard.checkpoint.format import CheckpointError, submodule_prefix
-from lightning_shard.checkpoint.format.gguf import GgufArchitecture, Layout, architecture_of, rotary_row_order
+from lightning_shard.checkpoint.format import CheckpointError, read_json_object, submodule_prefix
+from lightning_shard.checkpoint.interop import GGUF_DTYPES
+from lightning_shard.checkpoint.interop.export import (
+    ExportResult,
+    export_source,
+    model_entries,
+    require_whole_model,
+    skipped_note,
+    staged,
+)
+from lightning_shard.checkpoint.interop.foreign import ForeignCheckpoint, ForeignTensor, load_foreign_model
+from lightning_shard.checkpoint.interop.gguf.architectures import (
+    GgufArchitecture,
+    Layout,
+    architecture_of,
+    rotary_row_order,
+    transposed,
+)
 from lightning_shard.checkpoint.io.agreement import agree
-from lightning_shard.checkpoint.io.storage import local_only
-from lightning_shard.checkpoint.load.load import LoadResult
-from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
+from lightning_shard.checkpoint.io.averaged import Weights
+from lightning_shard.checkpoint.io.layout import StoredTensor
+from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.io.storage import Location, local_only
+from lightning_shard.checkpoint.load.directory import LoadResult, sharded_engine
+from lightning_shard.engine.sharded_module import ShardedModule
 
 GGUF_MAGIC = b"GGUF"
 MAX_METADATA_PAIRS = 2**16  # real files hold tens
@@ -36,6 +57,13 @@ MAX_TENSORS = 2**20  # the largest published models hold a few thousand
 MAX_METADATA_VALUES = 2**21  # array elements in all: a 256k vocabulary with scores, types and merges fits
 MAX_BLOCKS = 4096
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0")  # the tensor types dequantised here
+_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # export_hf's spellings are taken too
+_Q8_0_BLOCK = 32  # values per Q8_0 block: a row of another length is written as f16
+_NOT_BYTES = np.dtype("float32")  # what add_tensor_info is told a tensor holds: not uint8, so the shape given is kept
+
+# --------------------------------------------------------------------------------------------------
+# A GGUF file in
+# --------------------------------------------------------------------------------------------------
 
 # [Note: a GGUF header is untrusted]
 # ``GGUFReader`` reads every count, length and offset of a file's header and follows it: a string or an array as long
@@ -102,14 +130,7 @@ def load_gguf_into(module: nn.Module, path: str | Path, prefix: str = "", strict
     tensor the model needs that the file lacks (or, with ``strict``, one the model has no place for), and a tensor of
     another shape are refused before anything is read, naming the GGUF tensor, the model's key and the file. Returns
     the missing and unexpected keys."""
-    engine = sharded_module_of(module)
-    if engine is None:
-        raise CheckpointError(
-            "load_gguf_into() needs the model ShardStrategy has sharded (the LightningModule after the Trainer set"
-            " it up, e.g. from on_fit_start, or after fabric.setup_module); this module is not sharded."
-        )
-    from lightning_shard.checkpoint.foreign.foreign_load import load_foreign_model
-
+    engine = sharded_engine(module, "load_gguf_into()")
     where = local_only(path, "load_gguf_into()")
     source = agree(lambda: gguf_checkpoint(read_gguf(where), engine, module, submodule_prefix(prefix), strict))
     return load_foreign_model(engine, module, source, strict=strict)
@@ -141,7 +162,7 @@ def gguf_checkpoint(
         if name is not None and name in file.tensors:
             tensor = file.tensors[name]
             layout = arch.layout(name)
-            shape = _hf_shape(tensor, layout)
+            shape = transposed(layout, tuple(int(d) for d in reversed(tensor.shape.tolist())))  # GGUF: inner first
             want = shapes.get(next((f for f in aliases.get(key, (key,)) if f in shapes), key))
             if want is not None and tuple(want) != shape:
                 problems.append(f"tensor {name!r} holds {list(shape)} for the model's {key!r}, which is {list(want)}")
@@ -171,11 +192,6 @@ def _architecture_metadata(file: GgufFile, arch: GgufArchitecture) -> dict[str, 
             raise CheckpointError(f"The GGUF file {file.path}: {arch.name}.{key} is {value!r}, not a count of 1 to"
                                   f" {MAX_BLOCKS}.")
     return found
-
-
-def _hf_shape(tensor: Any, layout: Layout) -> tuple[int, ...]:
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists the innermost dimension first
-    return (shape[1], shape[0]) if layout is Layout.TRANSPOSED and len(shape) == 2 else shape
 
 
 def _torch_dtype(tensor: Any) -> torch.dtype:
@@ -285,3 +301,189 @@ def _bounded_reader() -> type:
     _VALUE_TYPES = {int(t) for t in GGUFValueType}
     _TENSOR_TYPES = {int(t) for t in GGMLQuantizationType}
     return BoundedGGUFReader
+
+
+# --------------------------------------------------------------------------------------------------
+# A checkpoint out as a GGUF file
+# --------------------------------------------------------------------------------------------------
+
+
+def export_gguf(
+    checkpoint: str | Path,
+    output: str | Path,
+    config: str | Path,
+    prefix: str = "",
+    dtype: str | None = None,
+    tokenizer: str | Path | None = None,
+    overwrite: bool = False,
+    weights: Weights = "current",
+) -> ExportResult:
+    """Write the model of ``checkpoint`` as the GGUF v3 file ``output``, for llama.cpp and
+    ``AutoModelForCausalLM.from_pretrained(directory, gguf_file=...)``.
+
+    ``config`` is the model's Hugging Face ``config.json``: its ``model_type`` picks the architecture (``gpt2`` or
+    ``llama``) and its values become the GGUF metadata. ``prefix`` is stripped from the LightningModule's keys as
+    for ``export_hf``; the keys left must be the Hugging Face model's. ``dtype``: ``"f32"`` (default, exact),
+    ``"f16"``, ``"bf16"`` or ``"q8_0"`` for the 2-D weights; 1-D tensors (norms, biases) stay f32, as llama.cpp writes
+    them, and a q8_0 tensor whose rows are not a multiple of 32 values is written f16. ``tokenizer``: a Hugging Face
+    tokenizer directory (``tokenizer.json``) whose vocabulary, merges and special tokens go into the
+    ``tokenizer.ggml.*`` keys; without one the file says it has no vocabulary (``tokenizer.ggml.model = "none"``).
+    An existing ``output`` is replaced only with ``overwrite``."""
+    import gguf
+
+    directory, out, index = export_source(checkpoint, output, overwrite, "export_gguf()", file=True)
+    kind = _ggml_type(dtype)
+    hf_config = read_json_object(Path(config), "Export config file")
+    arch = architecture_of(hf_config.get("model_type"), f"The config {config}")
+    metadata = arch.metadata(hf_config)
+    require_whole_model(directory, index)
+    prefix = submodule_prefix(prefix)
+    entries, skipped = model_entries(directory, index, prefix, weights)
+    names = _gguf_names(arch, entries, metadata["block_count"], directory)
+    shapes = {names[key]: transposed(arch.layout(names[key]), entry.shape) for key, entry in entries.items()}
+    planned = {names[key]: (entry, _output_type(kind, shapes[names[key]])) for key, entry in entries.items()}
+    with staged(out, file=True) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch.name)
+        try:
+            _add_metadata(writer, arch, metadata, kind, hf_config)
+            if tokenizer:
+                _add_tokenizer(writer, arch, tokenizer, metadata["vocab_size"])
+            else:
+                writer.add_tokenizer_model("none")  # llama.cpp's word for a file without a vocabulary
+            for name, (entry, ggml) in planned.items():
+                writer.add_tensor_info(name, shapes[name], _NOT_BYTES, _nbytes(entry.shape, ggml), ggml)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            with FileHandles() as handles:
+                for name, (entry, ggml) in planned.items():  # in the order of the tensor table
+                    full = _in_gguf_layout(arch, name, read_tensor(entry, handles), metadata)
+                    writer.write_tensor_data(_encoded(full, ggml))
+                    del full
+        finally:
+            writer.close()
+    return ExportResult(out, [out.name], {n: g.name for n, (_, g) in planned.items()},
+                        sum(_nbytes(entry.shape, ggml) for entry, ggml in planned.values()),
+                        f"{len(planned)} {arch.name} tensors", skipped, notes=skipped_note(skipped, prefix))
+
+
+def _gguf_names(
+    arch: GgufArchitecture, entries: dict[str, StoredTensor], blocks: int, directory: Location
+) -> dict[str, str]:
+    """The GGUF name of every exported key; a key GGUF has no name for is refused, naming it."""
+    name_of = arch.name_map(blocks)
+    names = {key: name_of(key) for key in entries}
+    unnamed = [key for key, name in names.items() if name is None]
+    if unnamed:
+        raise CheckpointError(
+            f"{directory}: {len(unnamed)} tensors have no GGUF {arch.name} name ({', '.join(unnamed[:8])}): the keys"
+            f" after the prefix must be a Hugging Face {arch.model_type} model's (is --prefix right?)."
+        )
+    return names  # type: ignore[return-value]
+
+
+def _ggml_type(dtype: str | None) -> Any:
+    from gguf import GGMLQuantizationType as Q
+
+    name = _ALIASES.get(dtype, dtype) if dtype is not None else "f32"
+    if name not in GGUF_DTYPES:
+        raise ValueError(f"Unknown GGUF export dtype {dtype!r}; choose one of {', '.join(GGUF_DTYPES)}.")
+    return {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[name]
+
+
+def _output_type(kind: Any, shape: tuple[int, ...]) -> Any:
+    """The GGML type a tensor of ``shape`` (as GGUF stores it: its rows are the last dimension) is written in, for the
+    export type ``kind`` (see ``export_gguf``)."""
+    from gguf import GGMLQuantizationType as Q
+
+    if len(shape) < 2:
+        return Q.F32
+    if kind is Q.Q8_0 and shape[-1] % _Q8_0_BLOCK:
+        return Q.F16
+    return kind
+
+
+def _nbytes(shape: tuple[int, ...], ggml: Any) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[ggml]
+    return math.prod(shape) // block * size
+
+
+def _in_gguf_layout(arch: GgufArchitecture, name: str, tensor: torch.Tensor, metadata: dict[str, Any]) -> torch.Tensor:
+    """``tensor`` (a full Hugging Face tensor) as GGUF stores the weight ``name``, in float32."""
+    tensor = tensor.float()
+    layout = arch.layout(name)
+    if layout is Layout.TRANSPOSED:
+        return tensor.t().contiguous()
+    if layout is Layout.ROTARY_ROWS:
+        heads = arch.rotary_heads(name, metadata)
+        return tensor[rotary_row_order(tensor.shape[0], heads)].contiguous()
+    return tensor.contiguous()
+
+
+def _encoded(tensor: torch.Tensor, ggml: Any) -> Any:
+    """The bytes (or values) of a float32 tensor in the GGML type ``ggml``, as a numpy array."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    if ggml is Q.F32:
+        return tensor.numpy()
+    if ggml is Q.F16:
+        return tensor.to(torch.float16).numpy()
+    if ggml is Q.BF16:
+        return tensor.to(torch.bfloat16).view(torch.uint16).numpy().view("uint8")
+    return quantize(tensor.numpy(), ggml)
+
+
+def _add_metadata(writer: Any, arch: GgufArchitecture, metadata: dict[str, Any], kind: Any, config: dict[str, Any]
+                  ) -> None:
+    from gguf import GGML_QUANT_VERSION, LlamaFileType
+    from gguf import GGMLQuantizationType as Q
+
+    for key, value in metadata.items():
+        if isinstance(value, float):
+            writer.add_float32(f"{arch.name}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch.name}.{key}", value)
+    file_type = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
+                 Q.Q8_0: LlamaFileType.MOSTLY_Q8_0}[kind]
+    writer.add_file_type(int(file_type))
+    if kind is Q.Q8_0:
+        writer.add_quantization_version(GGML_QUANT_VERSION)
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and name:
+        writer.add_name(Path(name).name)
+
+
+def _add_tokenizer(writer: Any, arch: GgufArchitecture, tokenizer: str | Path, rows: int) -> None:
+    """Write the ``tokenizer.ggml.*`` keys of the Hugging Face tokenizer directory ``tokenizer`` (read with the
+    ``gguf`` package's vocabulary readers); a vocabulary shorter than the embedding's ``rows`` is padded with unused
+    tokens, as llama.cpp's converter pads it."""
+    from gguf import TokenType
+    from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab
+
+    path = Path(tokenizer)
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"The tokenizer directory {path} has no tokenizer.json.")
+    tokenizer_json = read_json_object(path / "tokenizer.json", "The tokenizer file")
+    model = tokenizer_json.get("model")
+    byte_fallback = isinstance(model, dict) and model.get("byte_fallback", False)
+    try:
+        vocab = LlamaHfVocab(path) if byte_fallback else BpeVocab(path)
+        tokens, scores, types = zip(*vocab.all_tokens())
+    except (OSError, ValueError, KeyError, TypeError, FileNotFoundError) as err:
+        raise CheckpointError(f"Cannot read the tokenizer in {path} ({type(err).__name__}: {err}).") from None
+    if len(tokens) > rows:
+        raise CheckpointError(f"The tokenizer in {path} has {len(tokens)} tokens; the model's embedding {rows} rows.")
+    padding = rows - len(tokens)
+    tokens += tuple(f"[PAD{i}]".encode() for i in range(len(tokens), rows))
+    scores += (-1000.0,) * padding
+    types += (TokenType.UNUSED,) * padding
+    writer.add_tokenizer_model(vocab.tokenizer_model)
+    if vocab.tokenizer_model == "gpt2":
+        writer.add_tokenizer_pre("gpt-2" if arch.name == "gpt2" else "default")
+    writer.add_token_list(list(tokens))
+    writer.add_token_scores(list(scores))
+    writer.add_token_types(list(types))
+    SpecialVocab(path, load_merges=vocab.tokenizer_model == "gpt2", n_vocab=rows).add_to_gguf(writer, quiet=True)

@@ -1,5 +1,6 @@
 """Reading ``torch.save`` files (Lightning's ``.ckpt``, a DCP directory's ``meta.pt`` and its byte entries) without
-ever running code from them.
+ever running code from them, and telling them apart from other files by their first bytes (``is_pickle``,
+``is_torch_zip``), so that a reader names such a file for what it is rather than reporting a damaged safetensors file.
 
 [Note: no pickle runs]
 A pickle is a program: unpickling an arbitrary one may call any function it names (``os.system``). These files are
@@ -28,6 +29,28 @@ import torch
 from lightning_shard.checkpoint.format import CheckpointError
 
 _MODULE_ALIASES = {"posix": "os", "nt": "os"}  # where os.system & co. pickle from
+# torch.save writes a zip archive (since torch 1.6) holding a pickle; older files, and _use_new_zipfile_serialization
+# =False, are a bare pickle, whose first byte is the PROTO opcode. A safetensors file starts with its header's length,
+# a little-endian u64 that these bytes would make absurdly large.
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTO = b"\x80"
+
+
+def is_pickle(path: Path) -> bool:
+    """Whether the file at ``path`` starts as ``torch.save``'s output does (a zip archive or a pickle)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head.startswith(_ZIP_MAGIC) or head[:1] == _PICKLE_PROTO
+
+
+def is_torch_zip(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as the zip archive ``torch.save`` writes (the only archives
+    ``load_restricted`` takes)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _ZIP_MAGIC
+    except OSError:
+        return False
 
 
 def lightning_types() -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:

@@ -1,10 +1,19 @@
-"""Reading a Lightning ``.ckpt`` file: what ``Trainer.save_checkpoint`` writes under DDP, on a single device, with
+"""Lightning ``.ckpt`` files: what ``Trainer.save_checkpoint`` writes under DDP, on a single device, with
 FSDPStrategy's ``state_dict_type="full"`` or ModelParallelStrategy's ``save_distributed_checkpoint=False``, and what
-``fabric.save`` writes under those strategies.
+``fabric.save`` writes under those strategies; read (``read_lightning_ckpt``) and written from a lightning_shard
+checkpoint (``export_lightning``, for ``LightningModule.load_from_checkpoint`` and other tools that read one).
 
 The file is opened with the restricted ``torch.load`` (see [Note: no pickle runs]) and ``mmap=True``: every tensor
 stays a view of the memory-mapped file, so a rank that reads its rows of a parameter pages in those rows and nothing
 else, and no rank ever holds the whole model or optimizer state.
+
+``export_lightning`` writes what ``Trainer.save_checkpoint`` under DDP writes, less the optimizer state: ``state_dict``
+(the full model under the LightningModule's names, tied weights under each of their names and stored once),
+``epoch``, ``global_step``, ``pytorch-lightning_version``, ``hyper_parameters``, the loops, callbacks and schedulers,
+all plain data that ``torch.load(path, weights_only=True)`` reads. Memory stays bounded by the largest tensor: each
+full tensor is assembled from its pieces and written to a file of its own in a staging folder beside the output;
+``torch.save`` then reads every tensor from its file through a memory map, so the pages it has written can be dropped
+again. The staging folder needs as much disk as the model, and is removed afterwards.
 """
 
 from __future__ import annotations
@@ -17,12 +26,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_shard.checkpoint.foreign.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
-from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
-from lightning_shard.checkpoint.format import CheckpointError
+from lightning_shard.checkpoint.format import MODEL_PREFIX, CheckpointError, dtype_name
+from lightning_shard.checkpoint.format.trainer_state import TRAINER_MODEL, TRAINER_OPTIMIZERS
+from lightning_shard.checkpoint.interop.export import ExportResult, export_source, require_whole_model, staged
+from lightning_shard.checkpoint.interop.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
+from lightning_shard.checkpoint.interop.safe_pickle import load_restricted
+from lightning_shard.checkpoint.io.index import iter_index_tensors, model_ties
+from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.load.directory import load_trainer_state
 
-TRAINER_MODEL = "state_dict"  # the Trainer's checkpoint dict: the LightningModule's state_dict
-TRAINER_OPTIMIZERS = "optimizer_states"  # ... and a list of optimizer.state_dict()s
+LIGHTNING_VERSION = "pytorch-lightning_version"  # in every checkpoint dict a Trainer writes
 # Lightning's WeightAveraging writes the averaged weights under "state_dict" and the weights as trained here.
 WEIGHT_AVERAGING_CURRENT = "current_model_state"
 WEIGHT_AVERAGING_STATE = "averaging_state"
@@ -128,3 +141,50 @@ def _optimizer(state: Any, what: str) -> ForeignOptimizer:
             raise CheckpointError(f"{what}: the state of parameter {key!r} is a {type(values).__name__}, not a dict.")
         states[key] = {str(k): stored(v) if isinstance(v, Tensor) else v for k, v in values.items()}
     return ForeignOptimizer(kind, [dict(g) for g in groups], states)
+
+
+# --------------------------------------------------------------------------------------------------
+# A lightning_shard checkpoint as one Lightning checkpoint file
+# --------------------------------------------------------------------------------------------------
+
+
+def export_lightning(checkpoint_dir: str | Path, output: str | Path, overwrite: bool = False) -> ExportResult:
+    """Write the checkpoint at ``checkpoint_dir`` (written by the Trainer, at any world size; a local directory or a
+    URL) as one Lightning checkpoint file at ``output``. An existing file is replaced only with ``overwrite``."""
+    directory, out, index = export_source(checkpoint_dir, output, overwrite, "export_lightning()", file=True, urls=True)
+    state, _ = load_trainer_state(directory, index)
+    if LIGHTNING_VERSION not in state:
+        raise CheckpointError(
+            f"{checkpoint_dir} holds no Trainer state (no {LIGHTNING_VERSION!r}): fabric.save wrote it, and"
+            " LightningModule.load_from_checkpoint needs a Trainer's. Export its weights with --format hf or"
+            " `lightning-shard consolidate` instead."
+        )
+    require_whole_model(directory, index)
+    with staged(out, file=True) as tmp:
+        state_dict, total = _staged_state_dict(index, tmp.parent)
+        torch.save({**state, TRAINER_MODEL: state_dict}, tmp)
+        tensors = {key: dtype_name(t.dtype) for key, t in state_dict.items()}
+        del state_dict
+    return ExportResult(out, [out.name], tensors, total, f"{len(tensors)} model tensors ({total / 2**20:.2f} MiB)")
+
+
+def _staged_state_dict(index: dict[str, Any], staging: Path) -> tuple[dict[str, Tensor], int]:
+    """Every model tensor in full, each read into a file of its own under ``staging`` and mapped from there; tied
+    aliases share their stored tensor. Returns the state dict and the bytes of the stored tensors."""
+    state_dict: dict[str, Tensor] = {}
+    total = 0
+    with FileHandles() as handles:
+        for i, (key, entry) in enumerate(iter_index_tensors(index, MODEL_PREFIX)):
+            path = staging / f"{i}.bin"
+            tensor = read_tensor(entry, handles).contiguous()
+            shape, dtype = tensor.shape, tensor.dtype
+            total += tensor.numel() * tensor.element_size()
+            if tensor.numel() == 0:
+                state_dict[key] = tensor
+                continue
+            tensor.view(-1).view(torch.uint8).numpy().tofile(path)
+            del tensor
+            state_dict[key] = torch.from_file(str(path), shared=True, size=shape.numel(), dtype=dtype).view(shape)
+    for alias, stored in model_ties(index).items():
+        state_dict[alias] = state_dict[stored]
+    return state_dict, total

@@ -24,8 +24,9 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -34,7 +35,6 @@ from torch.optim import Optimizer
 from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     MODEL_PREFIX,
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
@@ -44,18 +44,17 @@ from lightning_shard.checkpoint.format import (
 )
 from lightning_shard.checkpoint.format.adapters import ADAPTERS, peft_adapters
 from lightning_shard.checkpoint.format.safetensors_header import SAVE_ID_METADATA
-from lightning_shard.checkpoint.format.trainer_state import to_json_tree
+from lightning_shard.checkpoint.format.trainer_state import TRAINER_MODEL, TRAINER_OPTIMIZERS, to_json_tree
 from lightning_shard.checkpoint.io.agreement import agree, broadcast_str, gather_on_first_rank
 from lightning_shard.checkpoint.io.averaged import AVERAGE_FILE, AVERAGE_PREFIX, AVERAGED_MODEL_KEY, AveragedTensors
 from lightning_shard.checkpoint.io.index import (
     LEFT_OUT,
-    PIPELINE,
-    SAVE_ID_KEY,
-    TENSOR_PARALLEL_SIZE,
     FileRecord,
     SavedTensor,
     build_index,
     encode_index,
+    index_head,
+    merge_stage_fields,
 )
 from lightning_shard.checkpoint.io.layout import shard_rows
 from lightning_shard.checkpoint.io.selection import (
@@ -64,19 +63,12 @@ from lightning_shard.checkpoint.io.selection import (
     left_out_fingerprints,
 )
 from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory
-from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter, sha256_file
+from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter
 from lightning_shard.checkpoint.save.commit import (
     commit,
     commit_remote,
     refuse_foreign_objects,
     refuse_to_replace_other_data,
-)
-from lightning_shard.checkpoint.save.index_entries import (
-    merge_stage_fields,
-    saved_tensors,
-    split_by_rows,
-    stage_tensors_from_json,
-    stage_tensors_to_json,
 )
 from lightning_shard.checkpoint.save.optimizer_entries import optimizer_entries
 from lightning_shard.checkpoint.save.tensor_parallel import tensor_parallel_piece
@@ -86,7 +78,8 @@ from lightning_shard.engine.parallel.pipeline import StageSplit
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.sharded_module import ShardedModule
 
-T = TypeVar("T")
+# (index key, the parameter whose rows the tensor holds or None when it is whole, this rank's tensor)
+Item = tuple[str, ShardedParam | None, Tensor]
 
 
 def save_checkpoint_dir(
@@ -120,10 +113,10 @@ def prepare_save(
             " size) and write one file with `lightning-shard consolidate`."
         )
     checkpoint = dict(checkpoint)
-    checkpoint.pop("state_dict", None)
+    checkpoint.pop(TRAINER_MODEL, None)
     averaged = checkpoint.pop(AVERAGED_MODEL_KEY, None)  # see [Note: averaged weights in a checkpoint]
     selection = checkpoint.pop(MODEL_SELECTION_KEY, None)  # see [Note: weights a checkpoint leaves out]
-    with_optimizers = checkpoint.pop("optimizer_states", None) is not None
+    with_optimizers = checkpoint.pop(TRAINER_OPTIMIZERS, None) is not None
     save_id = new_save_id()
     if isinstance(path, Path):
         tmp = Path(broadcast_str(str(path.parent / f".{path.name}.tmp-{save_id}")))
@@ -229,15 +222,7 @@ def write_trainer_state(
     json_name, tensors_name = prefix + TRAINER_STATE_JSON, prefix + TRAINER_STATE_TENSORS
     (tmp / json_name).write_text(_trainer_state_json(trainer_state))
     (tmp / tensors_name).write_bytes(save(tensors))  # a few values; written as open() does, under the umask
-    return [_record(tmp / name, None) for name in (json_name, tensors_name)]
-
-
-def _record(
-    path: Path, shard: int | None, whole: dict[str, str] | None = None, pieces: dict[str, list[int]] | None = None,
-    header_sha256: str | None = None,
-) -> FileRecord:
-    return FileRecord(path.name, path.stat().st_size, sha256_file(path), shard, whole or {}, pieces or {},
-                      header_sha256)
+    return [FileRecord.written(tmp / name) for name in (json_name, tensors_name)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,19 +284,22 @@ class _Plan:
         """Write what this rank holds into the temporary directory; return the records of the files it wrote."""
         raise NotImplementedError
 
+    def parts(self) -> tuple[list[Item], list[Item], list[Item], list[Item]]:
+        """What this rank holds, as ``Item``s: the model's parameters, the optimizers' tensors, the averaged weights
+        and the buffers."""
+        params: list[Item] = [(MODEL_PREFIX + fqn, p, p.sharded.detach()) for fqn, p in self.params]
+        optim = [item for _, tensors in self.optimizers for item in tensors]
+        return params, optim, self.averaged, [(MODEL_PREFIX + k, None, v) for k, v in self.buffers]
+
     def tensors_and_head(self, layout: StateDictType) -> tuple[list[SavedTensor], dict[str, Any]]:
-        """Every tensor this save stores of what this rank holds (its stage's under pipeline parallelism), and the
-        index fields that follow from the model and optimizers: ties, optimizers, left-out weights, adapters."""
-        mesh = self.engine.mesh
-        params = [(fqn, tuple(p.full_shape), p.dtype) for fqn, p in self.params]
-        optim = [(name, tuple(p.full_shape) if p is not None else None, value)
-                 for _, tensors in self.optimizers for name, p, value in tensors]
-        shards = mesh.shard_size if layout is StateDictType.SHARDED else None
-        saved = saved_tensors(params, self.buffers, optim, shards)
-        for fqn, p, t in self.averaged:
-            shape = tuple(p.full_shape) if p is not None else tuple(t.shape)
-            saved.append(SavedTensor(AVERAGE_PREFIX + fqn, shape, t.dtype, p is not None and split_by_rows(
-                shape, t.dtype, shards)))
+        """Every tensor this save stores of what this rank holds (its stage's under pipeline parallelism), in the
+        index's order, and the index fields that follow from the model and optimizers: ties, optimizers, left-out
+        weights, adapters."""
+        shards = self.engine.mesh.shard_size if layout is StateDictType.SHARDED else None
+        params, optim, averaged, buffers = self.parts()
+        saved = [SavedTensor.of(key, tuple(p.full_shape) if p is not None else tuple(t.shape), t.dtype,
+                                shards if p is not None else None)
+                 for key, p, t in params + buffers + optim + averaged]
         head: dict[str, Any] = {"ties": self.ties, "optimizers": [meta for meta, _ in self.optimizers]}
         if self.left_out:
             head[LEFT_OUT] = self.left_out
@@ -326,7 +314,7 @@ class _Plan:
         if mesh.pipeline is None or mesh.pipeline.is_first or self.rank != mesh.stage_offset:
             return None
         saved, head = self.tensors_and_head(layout)
-        return {"tensors": stage_tensors_to_json(saved), "head": head}
+        return {"tensors": [t.to_json() for t in saved], "head": head}
 
     def index(self, records: list[FileRecord], layout: StateDictType,
               stages: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:  # fmt: skip
@@ -334,57 +322,33 @@ class _Plan:
         mesh = self.engine.mesh
         saved, fields = self.tensors_and_head(layout)
         for stage in stages:  # see [Note: pipeline-parallel checkpoints]
-            saved += stage_tensors_from_json(stage["tensors"])
+            saved += [SavedTensor.from_json(entry) for entry in stage["tensors"]]
             fields = merge_stage_fields(fields, stage["head"])
-        head = index_head(layout, self.world_size, (mesh.replicas, mesh.shard_size),
-                          self.engine.sharding_strategy.value, fields["ties"], fields["optimizers"], self.save_id)
-        if mesh.tensor_parallel_size > 1:
-            head[TENSOR_PARALLEL_SIZE] = mesh.tensor_parallel_size
+        pipeline = None
         if self.pipeline_split is not None:
             module, split = self.pipeline_split
-            head[PIPELINE] = {"size": split.stages, "module": module, **split.to_json()}
-        head.update({k: v for k, v in fields.items() if k in (LEFT_OUT, ADAPTERS)})
+            pipeline = {"size": split.stages, "module": module, **split.to_json()}
+        head = index_head(layout.value, self.world_size, (mesh.replicas, mesh.shard_size),
+                          self.engine.sharding_strategy.value, self.save_id, fields, mesh.tensor_parallel_size,
+                          pipeline)
         return build_index(head, saved, records)
 
 
 def _averaged_plan(
     averaged: AveragedTensors | None, params: list[tuple[str, ShardedParam]], buffers: list[tuple[str, Tensor]]
-) -> list[tuple[str, ShardedParam | None, Tensor]]:
-    """The averaged tensors a save stores, as (the model's key, its parameter or ``None`` for a buffer, this rank's
-    tensor), in the model's order (see [Note: averaged weights in a checkpoint])."""
+) -> list[Item]:
+    """The averaged tensors a save stores, under ``"average/" + the model's key``, in the model's order (see [Note:
+    averaged weights in a checkpoint])."""
     if averaged is None:
         return []
-    out: list[tuple[str, ShardedParam | None, Tensor]] = []
+    out: list[Item] = []
     for fqn, p in params:
         tensor = next((averaged.tensors[f] for f in p.fqns if f in averaged.tensors), None)
         if tensor is None or tensor.shape != p.sharded.shape:
             raise CheckpointError(f"Internal error: the averaged weights hold no tensor shaped like {fqn}'s shard.")
-        out.append((fqn, p, tensor.detach()))
-    out += [(k, None, averaged.tensors[k].detach()) for k, _ in buffers if k in averaged.tensors]
+        out.append((AVERAGE_PREFIX + fqn, p, tensor.detach()))
+    out += [(AVERAGE_PREFIX + k, None, averaged.tensors[k].detach()) for k, _ in buffers if k in averaged.tensors]
     return out
-
-
-def index_head(
-    layout: StateDictType,
-    world_size: int,
-    mesh: tuple[int, int],
-    sharding_strategy: str,
-    ties: dict[str, str],
-    optimizers: list[dict[str, Any]],
-    save_id: str,
-) -> dict[str, Any]:
-    """Everything of an index but its files, tensors and seal (see docs/checkpoint_format.md)."""
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        SAVE_ID_KEY: save_id,
-        "state_dict_type": layout.value,
-        "world_size": world_size,
-        "mesh": {"replicas": mesh[0], "shard_size": mesh[1]},
-        "sharding_strategy": sharding_strategy,
-        "ties": {MODEL_PREFIX + k: MODEL_PREFIX + v for k, v in ties.items()},
-        "optimizers": optimizers,
-    }
 
 
 class _ShardedWriter(_Plan):
@@ -406,12 +370,9 @@ class _ShardedWriter(_Plan):
             if p.local_rows and (p.shard_size != mesh.shard_size or rows != shard_rows(p.rows, mesh.shard_size,
                                                                                       mesh.shard_rank)):
                 raise CheckpointError(f"Internal error: {fqn} holds rows {rows}, not those of shard {mesh.shard_rank}.")
-        held: list[Held] = [(MODEL_PREFIX + fqn, p.sharded.detach(), tuple(p.global_shape)) for fqn, p in self.params]
-        held += [(name, value, tuple(p.global_shape) if p is not None else None)
-                 for _, tensors in self.optimizers for name, p, value in tensors]
-        held += [(MODEL_PREFIX + k, v, None) for k, v in self.buffers]
-        held += [(AVERAGE_PREFIX + fqn, value, tuple(owner.global_shape) if owner is not None else None)
-                 for fqn, owner, value in self.averaged]  # see [Note: averaged weights in a checkpoint]
+        params, optim, averaged, buffers = self.parts()  # averaged: see [Note: averaged weights in a checkpoint]
+        held: list[Held] = [(key, value, tuple(p.global_shape) if p is not None else None)
+                            for key, p, value in params + optim + buffers + averaged]
 
         def gather(whole: Sequence[Rows], owners: dict[str, int]) -> dict[str, Tensor]:
             return exchange_rows(whole, owners, mesh.shard_rank, mesh.shard_size, mesh.shard_group, self.engine.device)
@@ -424,12 +385,8 @@ class _ShardedWriter(_Plan):
         mesh = self.engine.mesh
         writes_whole = self.rank == mesh.stage_offset  # the first rank of its stage (the world's without pipeline)
         out: list[tuple[str, Tensor, tuple[int, int] | None]] = []
-        items: list[tuple[str, ShardedParam | None, Tensor]] = [
-            (MODEL_PREFIX + fqn, p, p.sharded.detach()) for fqn, p in self.params
-        ]
-        items += [(name, p, value) for _, tensors in self.optimizers for name, p, value in tensors]
-        items += [(AVERAGE_PREFIX + fqn, p, value) for fqn, p, value in self.averaged]
-        for key, p, value in items:
+        params, optim, averaged, buffers = self.parts()
+        for key, p, value in params + optim + averaged + buffers:
             if p is None:  # a buffer, or scalar optimizer state: whole, by the stage's first rank
                 if writes_whole:
                     out.append((key, value, None))
@@ -437,8 +394,6 @@ class _ShardedWriter(_Plan):
             piece = tensor_parallel_piece(p, value, mesh.tensor_parallel_size, mesh.tensor_parallel_rank)
             if piece is not None:
                 out.append((key, *piece))
-        if writes_whole:
-            out.extend((MODEL_PREFIX + k, v, None) for k, v in self.buffers)
         return out
 
     def write_local(self) -> list[FileRecord]:
@@ -467,17 +422,13 @@ def write_shard_file(
     (tensor parallelism) the record lists the rows of each piece, for the index to list. The tensors stored whole
     come first, then the pieces, each in ``local``'s order (see [Note: small tensors stored whole])."""
     local = sorted(local, key=lambda item: item[2] is not None)
-    writer = SafetensorsStreamWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local],
-                                     metadata={SAVE_ID_METADATA: save_id}, checksums=True)
-    try:
+    with SafetensorsStreamWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t, _ in local],
+                                 metadata={SAVE_ID_METADATA: save_id}, checksums=True) as writer:
         for key, tensor, _ in local:
             writer.write(key, tensor)
-    except BaseException:
-        writer.close_quietly()
-        raise
-    writer.close()
     pieces = {key: [rows[0], rows[1]] for key, _, rows in local if rows is not None} if listed else {}
-    return [_record(path, shard, {key: key for key, _, rows in local if rows is None}, pieces, writer.header_sha256)]
+    whole = {key: key for key, _, rows in local if rows is None}
+    return [FileRecord.written(path, shard, whole, pieces, writer.header_sha256)]
 
 
 class _FullWriter(_Plan):
@@ -486,39 +437,27 @@ class _FullWriter(_Plan):
 
     def write_local(self) -> list[FileRecord]:
         self.tmp.mkdir(parents=True, exist_ok=True)
-        model: list[tuple[str, ShardedParam | None, Tensor]] = [
-            (MODEL_PREFIX + fqn, p, p.sharded.detach()) for fqn, p in self.params
-        ]
-        model += [(MODEL_PREFIX + k, None, v) for k, v in self.buffers]
-        records = self._stream(self.file_prefix + "model.safetensors", model)
-        optim = [item for _, tensors in self.optimizers for item in tensors]
+        params, optim, averaged, buffers = self.parts()
+        records = self._stream(self.file_prefix + "model.safetensors", params + buffers)
         if optim:
             records += self._stream(self.file_prefix + "optimizer.safetensors", optim)
-        if self.averaged:
-            averaged = [(AVERAGE_PREFIX + fqn, p, value) for fqn, p, value in self.averaged]
+        if averaged:
             records += self._stream(self.file_prefix + AVERAGE_FILE, averaged)
         return records
 
-    def _stream(self, file: str, items: list[tuple[str, ShardedParam | None, Tensor]]) -> list[FileRecord]:
-        """``items``: (key, the parameter whose rows ``local`` holds, or None if ``local`` is already full, local)."""
-        writer = None
-        in_file = {k: k.removeprefix(MODEL_PREFIX) for k, _, _ in items}  # model.safetensors: plain state_dict keys
-        if self.rank == 0:
-            specs = [(in_file[k], t.dtype, tuple(p.full_shape) if p is not None else tuple(t.shape))
-                     for k, p, t in items]
-            metadata = {"format": FORMAT_NAME, "ties": json.dumps(self.ties), SAVE_ID_METADATA: self.save_id}
-            writer = SafetensorsStreamWriter(self.tmp / file, specs, metadata=metadata, checksums=True)
-        try:
+    def _stream(self, file: str, items: list[Item]) -> list[FileRecord]:
+        """Gather each of ``items`` in turn; rank 0 writes them into ``file`` (the model's under their state_dict
+        keys)."""
+        in_file = {k: k.removeprefix(MODEL_PREFIX) for k, _, _ in items}
+        specs = [(in_file[k], t.dtype, tuple(p.full_shape) if p is not None else tuple(t.shape)) for k, p, t in items]
+        metadata = {"format": FORMAT_NAME, "ties": json.dumps(self.ties), SAVE_ID_METADATA: self.save_id}
+        writer = SafetensorsStreamWriter(self.tmp / file, specs, metadata, checksums=True) if self.rank == 0 else None
+        with writer or nullcontext():
             for key, p, local in items:
                 full = self.engine.gather_whole(p, local) if p is not None else local
                 if writer is not None:
                     writer.write(in_file[key], full)
                 del full  # at most one full tensor at a time
-        except BaseException:
-            if writer is not None:
-                writer.close_quietly()
-            raise
         if writer is None:
             return []
-        writer.close()
-        return [_record(self.tmp / file, None, in_file, header_sha256=writer.header_sha256)]
+        return [FileRecord.written(self.tmp / file, None, in_file, header_sha256=writer.header_sha256)]

@@ -1,88 +1,22 @@
-"""Offline tools on checkpoint directories: consolidate into one model file, and inspect/verify.
-
-No process group is needed, and memory stays bounded by the largest tensor: each full tensor is
-assembled from its pieces and streamed into the output file before the next one is read. Each file's
-header is read once (``CheckpointFiles``) and files stay open across tensors (``FileHandles``).
-"""
+"""``lightning-shard inspect``: a checkpoint directory summarised and, with ``verify``, every file checked as a load
+of everything would check it, and each file's SHA-256. No process group is needed."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_shard.checkpoint.format import (
-    FORMAT_NAME,
-    MODEL_PREFIX,
-    CheckpointError,
-    dtype_name,
-)
+from lightning_shard.checkpoint.format import CheckpointError, dtype_name
 from lightning_shard.checkpoint.format.adapters import ADAPTERS
-from lightning_shard.checkpoint.io.index import (
-    LEFT_OUT,
-    PIPELINE,
-    TENSOR_PARALLEL_SIZE,
-    checkpoint_files,
-    iter_index_tensors,
-    model_ties,
-    read_index,
-)
+from lightning_shard.checkpoint.io.index import LEFT_OUT, PIPELINE, TENSOR_PARALLEL_SIZE, checkpoint_files, read_index
 from lightning_shard.checkpoint.io.layout import check_piece, require_complete
-from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
-from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, is_url, location
-from lightning_shard.checkpoint.io.writer import SafetensorsStreamWriter, sha256_file
-from lightning_shard.checkpoint.load.load import load_trainer_state
+from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, location
+from lightning_shard.checkpoint.io.writer import sha256_file
+from lightning_shard.checkpoint.load.directory import load_trainer_state
 
-_BLOCK_BYTES = 16 * 2**20  # verify reads a piece in blocks of at most this size
-
-
-def consolidate(checkpoint_dir: str | Path, output: str | Path) -> Path:
-    """Write the model of ``checkpoint_dir`` as one ``.safetensors`` file under the LightningModule's state_dict keys.
-
-    Tied weights are stored once; the tie is recorded in the file's metadata (``"ties"``: JSON mapping each
-    alias to the stored key). The result loads with ``safetensors.torch.load_file``. An existing file at ``output``
-    is replaced; a path inside the checkpoint or a directory is refused.
-    """
-    directory, output = checkpoint_location(checkpoint_dir), Path(output)
-    index = read_index(directory)
-    if isinstance(directory, Path) and output.resolve().is_relative_to(directory.resolve()):
-        raise CheckpointError(
-            f"The consolidated file {output} would be written inside the checkpoint {directory}, whose files it"
-            " could replace: write it elsewhere."
-        )
-    if output.is_dir():
-        raise CheckpointError(f"The consolidated file's path {output} is a directory: give a file name.")
-    require_complete(directory, index["tensors"])
-    model = list(iter_index_tensors(index, MODEL_PREFIX))
-    ties = model_ties(index)
-    specs = [(key, e.dtype, e.shape) for key, e in model]
-    metadata = {"format": FORMAT_NAME, "ties": json.dumps(ties)}
-    tmp = output.with_name(f".{output.name}.tmp")
-    writer = SafetensorsStreamWriter(tmp, specs, metadata=metadata)
-    try:
-        with FileHandles() as handles:
-            for key, entry in model:
-                writer.write(key, read_tensor(entry, handles))
-        writer.close()
-    except BaseException:
-        writer.close_quietly()
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(output)
-    return output
-
-
-def full_model_state(directory: Location, index: dict[str, Any]) -> dict[str, Any]:
-    """Every model tensor of the checkpoint in full under the LightningModule's keys (tied weights under each name),
-    in memory: for a module that is not sharded (``fabric.load_raw`` into a plain module)."""
-    require_complete(directory, index["tensors"])
-    with FileHandles() as handles:
-        state = {key: read_tensor(entry, handles) for key, entry in iter_index_tensors(index, MODEL_PREFIX)}
-    for alias, stored in model_ties(index).items():
-        state[alias] = state[stored]
-    return state
+_BLOCK_BYTES = 16 * 2**20  # verify reads an object at a URL in blocks of at most this size
 
 
 @dataclass(frozen=True)
@@ -127,7 +61,7 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
     """Summarise a checkpoint directory; with ``verify``, run every check a load runs on every file (see [Note: what a
     load verifies]) and each file's SHA-256: what a load of everything would refuse is reported, and nothing else. An
     index that cannot be read raises ``CheckpointError``."""
-    directory = checkpoint_location(checkpoint_dir)
+    directory = location(checkpoint_dir)
     index = read_index(directory)
     require_complete(directory, index["tensors"])
     files = checkpoint_files(directory, index)
@@ -156,11 +90,6 @@ def inspect(checkpoint_dir: str | Path, verify: bool = True) -> CheckpointSummar
         pipeline=index.get(PIPELINE),
         adapters=sorted(index.get(ADAPTERS, {}).get("adapters", {})),
     )
-
-
-def checkpoint_location(checkpoint_dir: str | Path) -> Location:
-    """The checkpoint to read: a local directory, or a URL (``s3://...``, credentials from the environment)."""
-    return location(checkpoint_dir) if is_url(checkpoint_dir) else Path(checkpoint_dir)
 
 
 def _sha256(directory: Location, name: str) -> str:

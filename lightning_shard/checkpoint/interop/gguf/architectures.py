@@ -50,12 +50,6 @@ class GgufArchitecture:
     transposed: tuple[str, ...] = ()  # GGUF names (without .weight) stored TRANSPOSED
     rotary: tuple[str, ...] = ()  # GGUF names (without .weight) stored as ROTARY_ROWS
 
-    @property
-    def gguf_arch(self) -> Any:
-        import gguf
-
-        return next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.name)
-
     def layout(self, gguf_name: str) -> Layout:
         base, _, suffix = gguf_name.rpartition(".")
         kind = base.split(".")[-1]
@@ -78,7 +72,8 @@ class GgufArchitecture:
         no name for."""
         import gguf
 
-        table = gguf.get_tensor_name_map(self.gguf_arch, block_count)
+        gguf_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.name)
+        table = gguf.get_tensor_name_map(gguf_arch, block_count)
 
         def gguf_name(key: str) -> str | None:
             base, dot, suffix = key.rpartition(".")
@@ -96,6 +91,12 @@ def rotary_row_order(rows: int, heads: int) -> torch.Tensor:
     if heads < 1 or rows % (2 * heads):
         raise CheckpointError(f"Cannot reorder {rows} rows into {heads} rotary heads of pairs.")
     return torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+
+
+def transposed(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A 2-D ``shape`` swapped for a TRANSPOSED tensor (see [Note: GGUF layouts]): the Hugging Face tensor's as GGUF
+    stores it, and back."""
+    return (shape[1], shape[0]) if layout is Layout.TRANSPOSED and len(shape) == 2 else shape
 
 
 def _required(config: Mapping[str, Any], *names: str) -> Any:

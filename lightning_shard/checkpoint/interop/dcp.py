@@ -1,5 +1,6 @@
-"""Reading a ``torch.distributed.checkpoint`` (DCP) directory, as Lightning's ModelParallelStrategy (FSDP2,
-``fully_shard``), FSDPStrategy with ``state_dict_type="sharded"`` and ``fabric.save`` under them write it.
+"""``torch.distributed.checkpoint`` (DCP) directories, as Lightning's ModelParallelStrategy (FSDP2, ``fully_shard``),
+FSDPStrategy with ``state_dict_type="sharded"`` and ``fabric.save`` under them write them: read (``read_dcp``) and
+written from a lightning_shard checkpoint (``export_dcp``), so that leaving is as easy as arriving.
 
 A DCP directory holds ``.metadata``, ``__<rank>_<n>.distcp`` data files and, from Lightning, ``meta.pt`` (the
 checkpoint dict without model and optimizer). ``.metadata`` is a plain pickle of a few DCP types: it is read with an
@@ -7,6 +8,14 @@ unpickler that admits exactly those types and refuses any other name (see [Note:
 tensor chunks and byte entries in the data files, and ``meta.pt``, are ``torch.save`` blobs read with the restricted
 ``torch.load`` (see [Note: no pickle runs]). Each tensor is stored as chunks, one per saving rank, with their
 offsets; a reader takes the rows it needs from the chunks that hold them, whatever world size wrote them.
+
+``export_dcp`` writes the layout ``ModelParallelStrategy.save_checkpoint`` writes: the model under ``state_dict``
+(every key of the LightningModule's ``state_dict()``, tied weights under each of their names), each optimizer under
+``optimizer_<i>`` in ``get_optimizer_state_dict``'s form (``state.<parameter>.<state>`` and
+``param_groups.<i>.<option>``), and ``meta.pt`` with the rest of Lightning's checkpoint dict (loops, callbacks,
+schedulers). DCP's own writer writes it in this one process (``no_dist=True``); each tensor is planned from its
+shape alone and read from the checkpoint only when the writer reaches it, so one full tensor is in memory at a time.
+Every tensor is one chunk, which DCP reshards to any world size when it loads.
 """
 
 from __future__ import annotations
@@ -15,21 +24,45 @@ import bisect
 import io
 import math
 import pickle
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
-from lightning_shard.checkpoint.foreign.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
-from lightning_shard.checkpoint.foreign.safe_pickle import load_restricted
-from lightning_shard.checkpoint.format import CheckpointError, member_path
+from lightning_shard.checkpoint.format import (
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    CheckpointError,
+    dtype_name,
+    is_count,
+    member_path,
+)
+from lightning_shard.checkpoint.format.trainer_state import TRAINER_MODEL, TRAINER_PLACEHOLDERS, from_json_tree
+from lightning_shard.checkpoint.interop.export import ExportResult, export_source, require_whole_model, staged
+from lightning_shard.checkpoint.interop.foreign import ForeignCheckpoint, ForeignOptimizer, ForeignTensor, ParamKeys
+from lightning_shard.checkpoint.interop.safe_pickle import load_restricted
+from lightning_shard.checkpoint.io.index import iter_index_tensors, model_ties
+from lightning_shard.checkpoint.io.layout import StoredTensor
+from lightning_shard.checkpoint.io.reader import FileHandles, read_tensor
+from lightning_shard.checkpoint.load.directory import load_trainer_state
 
 METADATA_FILE = ".metadata"
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's checkpoint dict without model and optimizers (rank 0's torch.save)
-MODEL_KEYS = ("state_dict", "model")  # ModelParallelStrategy's and FSDPStrategy's key of the model in the DCP tree
+MODEL_KEYS = (TRAINER_MODEL, "model")  # ModelParallelStrategy's and FSDPStrategy's key of the model in the DCP tree
 MAX_METADATA_BYTES = 1 << 30  # the metadata of any real checkpoint is far smaller
 
 # --------------------------------------------------------------------------------------------------
@@ -99,14 +132,6 @@ def read_metadata(directory: Path) -> Any:
 
 
 def _check_metadata(directory: Path, path: Path, metadata: Any) -> None:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorStorageMetadata,
-    )
-
     def damaged(what: str) -> CheckpointError:
         return CheckpointError(f"{path} is damaged: {what}.")
 
@@ -136,7 +161,7 @@ def _check_metadata(directory: Path, path: Path, metadata: Any) -> None:
             if not file.is_file():
                 raise CheckpointError(f"{directory}: the data file {name!r} holding {index.fqn!r} is missing.")
             sizes[name] = file.stat().st_size
-        if not (_is_count(info.offset) and _is_count(info.length) and info.offset + info.length <= sizes[name]):
+        if not (is_count(info.offset) and is_count(info.length) and info.offset + info.length <= sizes[name]):
             raise CheckpointError(
                 f"{directory / name}: {index.fqn!r} claims bytes [{info.offset}, {info.offset}+{info.length}) but the"
                 f" file holds {sizes[name]}: it is truncated or damaged."
@@ -150,10 +175,8 @@ def _check_metadata(directory: Path, path: Path, metadata: Any) -> None:
 
 def _check_tensor_entry(key: str, entry: Any, damaged: Callable[[str], CheckpointError]) -> None:
     """A tensor's size, dtype and chunks are well formed, and its chunks cover it exactly once."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
     size = entry.size
-    if not (isinstance(size, torch.Size) and all(_is_count(d) for d in size)):
+    if not (isinstance(size, torch.Size) and all(is_count(d) for d in size)):
         raise damaged(f"tensor {key!r} has size {size!r}")
     if not isinstance(getattr(entry.properties, "dtype", None), torch.dtype):
         raise damaged(f"tensor {key!r} has no dtype")
@@ -207,10 +230,6 @@ def _overlap(chunks: Sequence[Any]) -> bool:
             return True
         covered[block] = 1
     return False
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,13 +317,13 @@ def read_dcp(directory: Path, module_key: str | None = None, optimizer_keys: Seq
             f"The DCP directory {directory} holds {unknown} beside the model ({model_key!r}) and the optimizers"
             f" {opt_keys}; lightning_shard cannot tell what they are."
         )
-    model = _model(storage, paths, model_key)
-    optimizers = [_optimizer(storage, paths, k) for k in opt_keys]
+    model = _model_of(storage, paths, model_key)
+    optimizers = [_optimizer_of(storage, paths, k) for k in opt_keys]
     values = _lightning_meta(directory)
     return ForeignCheckpoint(directory, "the DCP directory", model, optimizers, values)
 
 
-def _model(storage: _Storage, paths: dict[str, tuple[Any, ...]], top: str) -> dict[str, ForeignTensor]:
+def _model_of(storage: _Storage, paths: dict[str, tuple[Any, ...]], top: str) -> dict[str, ForeignTensor]:
     model = {}
     for key, path in paths.items():
         if path[0] != top:
@@ -318,7 +337,7 @@ def _model(storage: _Storage, paths: dict[str, tuple[Any, ...]], top: str) -> di
     return model
 
 
-def _optimizer(storage: _Storage, paths: dict[str, tuple[Any, ...]], top: str) -> ForeignOptimizer:
+def _optimizer_of(storage: _Storage, paths: dict[str, tuple[Any, ...]], top: str) -> ForeignOptimizer:
     """The name-keyed optimizer state under ``top`` (``get_optimizer_state_dict``'s layout, flattened by DCP into
     ``<top>.state.<name>.<state>`` and ``<top>.param_groups.<i>.<option>``)."""
     state: dict[int | str, dict[str, Any]] = {}
@@ -350,8 +369,6 @@ def _optimizer(storage: _Storage, paths: dict[str, tuple[Any, ...]], top: str) -
 
 
 def _is_bytes(entry: Any) -> bool:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     return isinstance(entry, BytesStorageMetadata)
 
 
@@ -365,3 +382,77 @@ def _lightning_meta(directory: Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise CheckpointError(f"{path} holds a {type(values).__name__}, not Lightning's checkpoint dict.")
     return values
+
+
+# --------------------------------------------------------------------------------------------------
+# A lightning_shard checkpoint as a DCP directory
+# --------------------------------------------------------------------------------------------------
+
+
+def export_dcp(checkpoint: str | Path, output_dir: str | Path, overwrite: bool = False) -> ExportResult:
+    """Write the checkpoint directory ``checkpoint`` as a DCP directory at ``output_dir`` (see the module docstring).
+    A non-empty existing ``output_dir`` is refused unless ``overwrite``."""
+    directory, out, index = export_source(checkpoint, output_dir, overwrite, "export_dcp()")
+    require_whole_model(directory, index)
+    values, _ = load_trainer_state(directory, index)
+    handles, readers = FileHandles(), dict[int, Callable[[], Tensor]]()
+    model = {key: _placeholder(entry, handles, readers) for key, entry in iter_index_tensors(index, MODEL_PREFIX)}
+    for alias, stored in model_ties(index).items():  # a tied weight under each of its names, as state_dict() has it
+        model[alias] = model[stored]
+    state: dict[str, Any] = {TRAINER_MODEL: model}
+    for i, meta in enumerate(index.get("optimizers", [])):
+        state[f"optimizer_{i}"] = _optimizer_state(index, i, meta, handles, readers)
+    for key in TRAINER_PLACEHOLDERS:
+        values.pop(key, None)
+    with staged(out) as tmp:
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1)
+        with handles, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist=True says so
+            dcp.save(state, storage_writer=writer, planner=_ReadingPlanner(readers), no_dist=True)
+        torch.save(values, tmp / LIGHTNING_META_FILE)
+        meta_types = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(tmp / LIGHTNING_META_FILE))
+    exported = [e for k, e in index["tensors"].items() if k.startswith((MODEL_PREFIX, OPTIMIZER_PREFIX))]
+    notes = [f"{LIGHTNING_META_FILE} holds {', '.join(meta_types)}, which torch.load(weights_only=True) refuses by"
+             " default: allow them with torch.serialization.add_safe_globals([...]) before resuming."]
+    return ExportResult(out, sorted(p.name for p in out.iterdir()), {k: dtype_name(t.dtype) for k, t in model.items()},
+                        sum(math.prod(e.shape) * e.dtype.itemsize for e in exported),
+                        f"{len(model)} model tensors and {len(state) - 1} optimizer states",
+                        notes=notes if meta_types else [])
+
+
+def _placeholder(entry: StoredTensor, handles: FileHandles, readers: dict[int, Callable[[], Tensor]]) -> Tensor:
+    """A meta tensor of the entry's shape and dtype, which the planner replaces with the data when it is written."""
+    placeholder = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+    readers[id(placeholder)] = lambda: read_tensor(entry, handles)
+    return placeholder
+
+
+def _optimizer_state(
+    index: dict[str, Any], i: int, meta: dict[str, Any], handles: FileHandles,
+    readers: dict[int, Callable[[], Tensor]],
+) -> dict[str, Any]:
+    """Optimizer ``i`` as ``get_optimizer_state_dict`` gives it: per-parameter state by name, and the groups."""
+    state: dict[str, dict[str, Any]] = {}
+    for key, entry in iter_index_tensors(index, f"{OPTIMIZER_PREFIX}{i}/"):
+        name, state_name = key.rsplit("/", 1)
+        state.setdefault(name, {})[state_name] = _placeholder(entry, handles, readers)
+    for name, values in meta.get("values", {}).items():
+        for state_name, value in values.items():
+            state.setdefault(name, {})[state_name] = from_json_tree(value, {})
+    groups = [{**from_json_tree(g["options"], {}), "params": list(g["params"])} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+class _ReadingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that a tensor's data is read from the checkpoint only when the writer asks
+    for it: the state dict it plans from holds meta tensors."""
+
+    def __init__(self, readers: dict[int, Callable[[], Tensor]]) -> None:
+        super().__init__()
+        self._readers = readers
+
+    def transform_object(self, write_item: Any, object: Any) -> Any:  # noqa: A002 - DCP's parameter name
+        reader = self._readers.get(id(object))
+        if reader is not None:
+            return reader()
+        return super().transform_object(write_item, object)
