@@ -33,9 +33,9 @@ if TYPE_CHECKING:
     from lightning_shard.engine.mixed_precision import MixedPrecision
     from lightning_shard.engine.optimizer_rule import OptimizerUpdate, declare_optimizer_update
     from lightning_shard.engine.option_choices import GradSync, ShardingStrategy
+    from lightning_shard.engine.parallel.tensor import hf_tensor_parallel_plan
     from lightning_shard.engine.policies import CallableWrapPolicy, ModuleClassWrapPolicy, SizeWrapPolicy
     from lightning_shard.engine.stall import StalledRanksError
-    from lightning_shard.engine.tensor_parallel import hf_tensor_parallel_plan
     from lightning_shard.engine.torch_norms import grad_norm
     from lightning_shard.engine.wrapping import mark_unit
     from lightning_shard.generation import generate
@@ -77,7 +77,7 @@ else:
         "ShardingStrategy": "lightning_shard.engine.option_choices",
         "SizeWrapPolicy": "lightning_shard.engine.policies",
         "StalledRanksError": "lightning_shard.engine.stall",
-        "hf_tensor_parallel_plan": "lightning_shard.engine.tensor_parallel",
+        "hf_tensor_parallel_plan": "lightning_shard.engine.parallel.tensor",
         "grad_norm": "lightning_shard.engine.torch_norms",
         "mark_unit": "lightning_shard.engine.wrapping",
         "generate": "lightning_shard.generation",

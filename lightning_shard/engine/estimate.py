@@ -42,10 +42,10 @@ from lightning_shard.engine.collectives import CollectivePath, collective_path
 from lightning_shard.engine.mixed_precision import check_precision, mixed_precision_for, parse_dtype, true_dtype_for
 from lightning_shard.engine.option_choices import ShardingStrategy
 from lightning_shard.engine.parallel.dims import ParallelDims
+from lightning_shard.engine.parallel.tensor import hf_tensor_parallel_plan, planned_local_shapes
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units
 from lightning_shard.engine.policies import WrapPolicySpec, resolve_wrap_policy
-from lightning_shard.engine.tensor_parallel import hf_tensor_parallel_plan, planned_local_shapes
 
 _STATE_TENSORS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}  # per-parameter tensors of the param's shape
 Backend = Literal["nccl", "gloo"]

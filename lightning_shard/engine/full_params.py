@@ -36,10 +36,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shard.engine.compile import outside_compiled_code
+from lightning_shard.engine.parallel.tensor import local_tensor
 from lightning_shard.engine.param_shard import ShardedParam, is_shard
 from lightning_shard.engine.progress import about
 from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
-from lightning_shard.engine.tensor_parallel import local_tensor
 from lightning_shard.engine.unit import BackwardState, UnitState
 
 _SUMMONED: set[int] = set()  # ids of the engines inside summon_full_params, on every rank (rank0_only or not)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.engine.tensor_parallel import TensorParallelLayout
+from lightning_shard.engine.parallel.tensor import TensorParallelLayout
 
 # Every sharded face, whichever model holds it, by id (a WeakSet would compare tensors with ==).
 _SHARDS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()

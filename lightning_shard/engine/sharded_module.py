@@ -98,10 +98,10 @@ from lightning_shard.engine.mixed_precision import (
 )
 from lightning_shard.engine.optimizer_rule import guard_optimizer_steps
 from lightning_shard.engine.option_choices import CpuAllocator, ParamInit, ShardingStrategy
+from lightning_shard.engine.parallel.tensor import local_tensor, note_tensor_parallel_parts, tensor_parallel_layout
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.planning import plan_units, without_reset_parameters
 from lightning_shard.engine.policies import WrapPolicy
-from lightning_shard.engine.tensor_parallel import local_tensor, note_tensor_parallel_parts, tensor_parallel_layout
 from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
 from lightning_shard.engine.wrapping import refuse_foreign_sharding
 

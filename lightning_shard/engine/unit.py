@@ -453,7 +453,7 @@ class ShardUnit:
         meta-device parameters, and keep this rank's rows of rank 0's values (see [Note: initial values agree with
         rank 0]); parameters not on the meta device keep their values. A tensor-parallel parameter built on the meta
         device is materialised in its global shape (see [Note: meta-device DTensor parameters] in
-        tensor_parallel.py)."""
+        parallel/tensor.py)."""
         originals = {id(p): p.unsharded for p in self.params}
         with torch.no_grad():
             values: list[Tensor] = []

@@ -4,7 +4,7 @@ layout]), one entry point that applies them to a module in a fixed order (``appl
 shards, the tied weights, the context-parallel steps), and one module per dimension that is not the sharding itself
 (``pipeline``: the stages and their schedule; ``context``: the sequence split over the context-parallel ranks, and
 ``ulysses``: the attention that sees the whole sequence anyway). Tensor parallelism predates this package and lives
-in ``engine/tensor_parallel.py``: the user's plan is applied before the engine shards.
+in ``parallel/tensor.py``: the user's plan is applied before the engine shards.
 """
 
 from lightning_shard.engine.parallel.context import ContextParallel, ContextParallelError
