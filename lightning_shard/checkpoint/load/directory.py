@@ -86,13 +86,14 @@ def _parsed(path: Any, data: bytes, parse: Callable[[bytes], Any]) -> Any:
         ) from None
 
 
-def sharded_engine(module: nn.Module, caller: str) -> ShardedModule:
-    """The engine that sharded ``module``, for ``caller`` (``"load_gguf_into()"``), which loads weights into it."""
+def sharded_engine(module: nn.Module, caller: str, error: type[Exception] = CheckpointError) -> ShardedModule:
+    """The engine that sharded ``module``, for ``caller`` (``"load_gguf_into()"``); ``error`` when there is none."""
     engine = sharded_module_of(module)
     if engine is None:
-        raise CheckpointError(
-            f"{caller} needs the model ShardStrategy has sharded (the LightningModule after the Trainer set it up,"
-            " e.g. from on_fit_start, or after fabric.setup_module); this module is not sharded."
+        raise error(
+            f"{caller} needs the model lightning_shard has sharded (the LightningModule after the Trainer set it up,"
+            " e.g. from on_fit_start, the module fabric.setup_module() returned, or the one given to shard_model());"
+            f" this {type(module).__name__} is not sharded."
         )
     return engine
 
