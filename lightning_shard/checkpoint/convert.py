@@ -29,7 +29,9 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
+    MODEL_FILE,
     MODEL_PREFIX,
+    OPTIMIZER_FILE,
     OPTIMIZER_PREFIX,
     CheckpointError,
     dtype_name,
@@ -60,9 +62,6 @@ from lightning_shard.checkpoint.open import CheckpointKind, detect, read_foreign
 from lightning_shard.checkpoint.save.commit import commit, refuse_to_replace_other_data
 from lightning_shard.checkpoint.save.directory import write_trainer_state
 from lightning_shard.engine.option_choices import StateDictType
-
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 def convert(

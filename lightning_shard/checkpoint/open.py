@@ -101,9 +101,6 @@ class CheckpointSource(ABC):
         """Fill this rank's rows of ``module`` (sharded as ``engine``; ``None``: not the model) and of ``optimizers``
         (all the checkpoint holds, in order, or none)."""
 
-    def load_optimizers(self, engine: ShardedModule, optimizers: Sequence[Optimizer], strict: bool) -> None:
-        self.load_model_and_optimizers(engine, None, optimizers, strict)
-
 
 class ShardDirectory(CheckpointSource):
     """A lightning_shard checkpoint directory (see docs/checkpoint_format.md)."""

@@ -22,11 +22,10 @@ from lightning_shard.checkpoint.format.trainer_state import TRAINER_OPTIMIZERS, 
 from lightning_shard.checkpoint.io.agreement import agree, broadcast_str
 from lightning_shard.checkpoint.io.selection import MODEL_SELECTION_KEY, ModelSelection
 from lightning_shard.checkpoint.io.storage import Location, RemoteDirectory, location
-from lightning_shard.checkpoint.load.directory import LoadResult
+from lightning_shard.checkpoint.load.directory import LoadResult, sharded_engine
 from lightning_shard.checkpoint.open import open_checkpoint
 from lightning_shard.checkpoint.save.directory import save_checkpoint_dir
 from lightning_shard.engine.option_choices import StateDictType
-from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
 
 if TYPE_CHECKING:
     from lightning_shard.checkpoint.save.background import BackgroundSaver
@@ -53,7 +52,7 @@ def save_checkpoint(
 
     ``path`` may be a URL of any protocol fsspec knows (``s3://bucket/run/ck``); ``storage_options`` go to its file
     system (see [Note: committing to object storage])."""
-    engine = _engine(module, "save_checkpoint")
+    engine = sharded_engine(module, "save_checkpoint()", TypeError)
     rest = dict(values or {})
     reserved = [k for k in rest if k in TRAINER_PLACEHOLDERS]
     if reserved:
@@ -88,7 +87,7 @@ def load_checkpoint(
     holds, in order, or none. A URL (``s3://...``, with ``storage_options`` for its file system) is read as a
     checkpoint directory, each rank reading only its byte ranges. Collective."""
     target = _target(path, storage_options)
-    engine = _engine(module, "load_checkpoint")
+    engine = sharded_engine(module, "load_checkpoint()", TypeError)
     source = agree(lambda: open_checkpoint(target, module_key, optimizer_keys))
     values = source.trainer_state()
     for key in TRAINER_PLACEHOLDERS:
@@ -113,10 +112,3 @@ def _target(path: str | os.PathLike[str] | RemoteDirectory, storage_options: dic
             )
         return path
     return location(broadcast_str(os.fspath(path)), storage_options)  # the same on every rank, errors too
-
-
-def _engine(module: nn.Module, caller: str) -> ShardedModule:
-    engine = sharded_module_of(module)
-    if engine is None:
-        raise TypeError(f"{caller}() needs a module sharded by lightning_shard; this {type(module).__name__} is not.")
-    return engine

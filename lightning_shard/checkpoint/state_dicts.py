@@ -57,10 +57,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.load.directory import sharded_engine
 from lightning_shard.engine.option_choices import StateDictType
 from lightning_shard.engine.param_shard import ShardedParam
 from lightning_shard.engine.progress import about
-from lightning_shard.engine.sharded_module import ShardedModule, sharded_module_of
+from lightning_shard.engine.sharded_module import ShardedModule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 def model_state_dict(module: nn.Module, layout: StateDictType | str) -> dict[str, Any]:
     """The state dict of ``module`` (sharded by ``lightning_shard``) in ``layout`` (``"full"`` or ``"sharded"``); see
     [Note: state dicts of a sharded model]. Collective."""
-    engine = _engine(module, "model_state_dict")
+    engine = sharded_engine(module, "model_state_dict()", TypeError)
     _refuse_tensor_parallel(engine)
     with _plain_tensors():
         made = _Layout(engine, StateDictType.parse(layout))
@@ -89,7 +90,7 @@ def model_state_dict(module: nn.Module, layout: StateDictType | str) -> dict[str
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, layout: StateDictType | str) -> dict[str, Any]:
     """The state of ``optimizer`` (built on the shards of ``module``) keyed by parameter name, in ``layout``; see
     [Note: state dicts of a sharded model]. Collective."""
-    engine = _engine(module, "optimizer_state_dict")
+    engine = sharded_engine(module, "optimizer_state_dict()", TypeError)
     _refuse_tensor_parallel(engine)
     params, state, groups = _named_optimizer_state(engine, optimizer)
     with _plain_tensors():
@@ -278,17 +279,6 @@ def _is_per_row(p: ShardedParam, value: Any) -> bool:
 def _unit_names(engine: ShardedModule) -> dict[int, str]:
     """``id(parameter)`` -> the name of the unit holding it, for naming a stalled collective."""
     return {id(p): unit.name for unit in engine.units for p in unit.params}
-
-
-def _engine(module: nn.Module, caller: str) -> ShardedModule:
-    engine = sharded_module_of(module)
-    if engine is None:
-        raise TypeError(
-            f"{caller}() needs the module sharded by lightning_shard (the LightningModule under the Trainer, the"
-            f" module fabric.setup_module() set up, or the one given to shard_model()); this"
-            f" {type(module).__name__} is not."
-        )
-    return engine
 
 
 @contextmanager

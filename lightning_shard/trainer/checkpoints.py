@@ -92,7 +92,7 @@ def load_optimizer_states(
 ) -> None:
     sources = checkpoint["optimizer_states"]
     if sources and sources[0] is not OptimizerStates.READ_WITH_THE_MODEL:
-        sources[0].load_optimizers(engine, optimizers, strict)
+        sources[0].load_model_and_optimizers(engine, None, optimizers, strict)
 
 
 def remove_checkpoint_dir(path: Location) -> None:

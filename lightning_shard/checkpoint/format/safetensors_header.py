@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -130,15 +130,7 @@ def read_safetensors_header(path: Path, size: int) -> SafetensorsHeader:
     """The header of the safetensors file ``path`` of ``size`` bytes, checked against ``size``: the header fits in
     the file, and every tensor's bytes lie inside its data section."""
     with open(path, "rb") as f:
-        return read_header(f, path, size)
-
-
-def read_header(f: BinaryIO, path: Path | str, size: int, like: TensorTable | None = None) -> SafetensorsHeader:
-    """``read_safetensors_header`` on a file open at its start. A table equal to ``like`` (the same JSON and data
-    size: checked) is not checked again but shared."""
-    head = f.read(8)
-    text = f.read(header_length(head, path, size))
-    return parse_header(text, path, size, like)
+        return parse_header(f.read(header_length(f.read(8), path, size)), path, size)
 
 
 def header_length(head: bytes, path: Path | str, size: int) -> int:
@@ -154,7 +146,8 @@ def header_length(head: bytes, path: Path | str, size: int) -> int:
 
 
 def parse_header(text: bytes, path: Path | str, size: int, like: TensorTable | None = None) -> SafetensorsHeader:
-    """The checked header whose JSON is ``text``, of a file of ``size`` bytes (see ``read_header``)."""
+    """The checked header whose JSON is ``text``, of a file of ``size`` bytes. A table equal to ``like`` (the same
+    JSON and data size: checked) is not checked again but shared."""
     data_bytes = size - 8 - len(text)
     if like is not None and like.same_but_checksums(text, data_bytes):  # no JSON to parse: the digits alone
         digits = {key: text[p:q] for key, p, q in like.digits_at or ()}

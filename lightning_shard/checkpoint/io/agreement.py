@@ -24,11 +24,8 @@ T = TypeVar("T")
 
 
 def agree(fn: Callable[[], T], group: Any = None) -> T:
-    """Run ``fn`` on every rank; if it raised on any rank, raise on all of them (naming the ranks and errors).
-
-    The ranks all-reduce one failure flag (over ``group``, the default group when ``None``), then exchange their
-    errors only if some rank failed, so a failure on one rank never leaves the others waiting in a collective.
-    """
+    """Run ``fn`` on every rank; if it raised on any rank, raise on all of them (naming the ranks and errors), as the
+    module docstring says. Collective over ``group`` (the default group when ``None``)."""
     error: str | None = None
     result: Any = None
     try:

@@ -3,10 +3,7 @@ version 1), and building it for a save or a conversion.
 
 ``read_index`` checks the index's tables in time proportional to its size, opening no other file: the current
 version's index holds one entry per tensor and one per file (see [Note: rows by rule]), so every rank of a load
-reads and checks it in full, then opens only the files that hold its rows. ``index_head``, ``optimizer_entry``,
-``merge_stage_fields`` and ``build_index`` assemble it, ``encode_index`` writes it; ``encode_index`` refuses an
-index above ``MAX_JSON_BYTES``, the limit ``read_index`` applies, so a save never writes an index a load would
-refuse.
+reads and checks it in full, then opens only the files that hold its rows.
 """
 
 from __future__ import annotations

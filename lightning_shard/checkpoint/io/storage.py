@@ -145,9 +145,6 @@ class RemoteDirectory:
         prefix = self.root.rstrip("/") + "/"
         return sorted(e.rstrip("/")[len(prefix) :] for e in entries if e.rstrip("/").startswith(prefix))
 
-    def size(self, name: str) -> int:
-        return int(self.fs.size(self.member(name)))
-
     def read_bytes(self, name: str) -> bytes:
         return bytes(self.fs.cat_file(self.member(name)))
 

@@ -86,13 +86,14 @@ def _parsed(path: Any, data: bytes, parse: Callable[[bytes], Any]) -> Any:
         ) from None
 
 
-def sharded_engine(module: nn.Module, caller: str) -> ShardedModule:
-    """The engine that sharded ``module``, for ``caller`` (``"load_gguf_into()"``), which loads weights into it."""
+def sharded_engine(module: nn.Module, caller: str, error: type[Exception] = CheckpointError) -> ShardedModule:
+    """The engine that sharded ``module``, for ``caller`` (``"load_gguf_into()"``); ``error`` when there is none."""
     engine = sharded_module_of(module)
     if engine is None:
-        raise CheckpointError(
-            f"{caller} needs the model ShardStrategy has sharded (the LightningModule after the Trainer set it up,"
-            " e.g. from on_fit_start, or after fabric.setup_module); this module is not sharded."
+        raise error(
+            f"{caller} needs the model lightning_shard has sharded (the LightningModule after the Trainer set it up,"
+            " e.g. from on_fit_start, the module fabric.setup_module() returned, or the one given to shard_model());"
+            f" this {type(module).__name__} is not sharded."
         )
     return engine
 
@@ -147,8 +148,12 @@ def load_model_and_optimizers(
         for key, buf in buffers:
             reads.add(entries[key], 0, entries[key].rows, buf)
         pending: list[_Pending] = []
-        states = ([] if optimizers is None
-                  else _optimizer_states(engine, optimizers, directory, index, strict, reads, pending))
+        saved = index.get("optimizers", [])  # ``optimizers`` must be all the checkpoint holds
+        if optimizers is not None and len(saved) != len(optimizers):
+            raise CheckpointError(f"The checkpoint holds {len(saved)} optimizer states; the model has"
+                                  f" {len(optimizers)}.")
+        states = [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads, pending)
+                  for i, (opt, meta) in enumerate(zip(optimizers or [], saved))]
         results = reads.read()
         for slot in pending:
             slot.into[slot.name] = results[slot.result].reshape(slot.shape)
@@ -280,24 +285,6 @@ def _tell_whole_states(engine: ShardedModule, optimizer: Optimizer, meta: dict[s
     by_shard = {id(p.sharded): p.fqn for p in engine.sharded_params()}
     held = [q for group in optimizer.param_groups for q in group["params"] if id(q) in by_shard]
     note_loaded_split(optimizer, {id(q): set(whole.get(by_shard[id(q)], ())) for q in held})
-
-
-def _optimizer_states(
-    engine: ShardedModule,
-    optimizers: Sequence[Optimizer],
-    directory: Location,
-    index: dict[str, Any],
-    strict: bool,
-    reads: RowReads,
-    pending: list[_Pending],
-) -> list[dict[str, Any]]:
-    """Each optimizer's state dict (``optimizers`` must be all the checkpoint holds), their tensors added to
-    ``reads`` and to ``pending``, to be put in place once read."""
-    saved = index.get("optimizers", [])
-    if len(saved) != len(optimizers):
-        raise CheckpointError(f"The checkpoint holds {len(saved)} optimizer states; the model has {len(optimizers)}.")
-    return [_optimizer_state(engine, opt, i, meta, directory, index, strict, reads, pending)
-            for i, (opt, meta) in enumerate(zip(optimizers, saved))]
 
 
 def _optimizer_state(

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from lightning_shard.checkpoint.format import (
     INDEX_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
     SAVE_ID,
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
@@ -55,8 +57,7 @@ def is_save_object(name: str) -> bool:
     return base in _SAVED_NAMES or _SHARD_FILE.fullmatch(base) is not None
 
 
-_SAVED_NAMES = (INDEX_FILE, TRAINER_STATE_JSON, TRAINER_STATE_TENSORS, "model.safetensors", "optimizer.safetensors",
-                AVERAGE_FILE)
+_SAVED_NAMES = (INDEX_FILE, TRAINER_STATE_JSON, TRAINER_STATE_TENSORS, MODEL_FILE, OPTIMIZER_FILE, AVERAGE_FILE)
 _SHARD_FILE = re.compile(r"shard-\d{5,}-of-\d{5,}\.safetensors")
 
 

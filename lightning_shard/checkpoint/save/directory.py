@@ -35,7 +35,9 @@ from torch.optim import Optimizer
 from lightning_shard.checkpoint import format as checkpoint_format
 from lightning_shard.checkpoint.format import (
     FORMAT_NAME,
+    MODEL_FILE,
     MODEL_PREFIX,
+    OPTIMIZER_FILE,
     TRAINER_STATE_JSON,
     TRAINER_STATE_TENSORS,
     CheckpointError,
@@ -438,9 +440,9 @@ class _FullWriter(_Plan):
     def write_local(self) -> list[FileRecord]:
         self.tmp.mkdir(parents=True, exist_ok=True)
         params, optim, averaged, buffers = self.parts()
-        records = self._stream(self.file_prefix + "model.safetensors", params + buffers)
+        records = self._stream(self.file_prefix + MODEL_FILE, params + buffers)
         if optim:
-            records += self._stream(self.file_prefix + "optimizer.safetensors", optim)
+            records += self._stream(self.file_prefix + OPTIMIZER_FILE, optim)
         if averaged:
             records += self._stream(self.file_prefix + AVERAGE_FILE, averaged)
         return records
