@@ -99,8 +99,8 @@ def _worker(rank: int, variant: str, port: int, out: mp.Queue) -> None:
 
     from lightning_shard.engine import collectives
     from lightning_shard.engine.activation_checkpointing import apply_activation_checkpointing
+    from lightning_shard.engine.mesh import build_shard_mesh
     from lightning_shard.engine.option_choices import ShardingStrategy
-    from lightning_shard.engine.parallel.dims import build_shard_mesh
     from lightning_shard.engine.policies import resolve_wrap_policy
     from lightning_shard.engine.sharded_module import shard_module
 

@@ -37,8 +37,8 @@ def _worker(rank: int, port: int, directory: str, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from lightning_shard.checkpoint.save.directory import save_checkpoint_dir
+    from lightning_shard.engine.mesh import build_shard_mesh
     from lightning_shard.engine.option_choices import ShardingStrategy, StateDictType
-    from lightning_shard.engine.parallel.dims import build_shard_mesh
     from lightning_shard.engine.policies import resolve_wrap_policy
     from lightning_shard.engine.sharded_module import shard_module
 

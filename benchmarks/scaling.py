@@ -85,8 +85,8 @@ def _worker(
     else:
         model = GPT(*dims)
     if engine == "shard":
+        from lightning_shard.engine.mesh import build_shard_mesh
         from lightning_shard.engine.option_choices import ShardingStrategy
-        from lightning_shard.engine.parallel.dims import build_shard_mesh
         from lightning_shard.engine.policies import resolve_wrap_policy
         from lightning_shard.engine.sharded_module import shard_module
 

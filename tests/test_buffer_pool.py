@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.buffer_pool import BufferPool
+from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.option_choices import ShardingStrategy
-from lightning_shard.engine.parallel.dims import build_shard_mesh
 from lightning_shard.engine.policies import resolve_wrap_policy
 from lightning_shard.engine.sharded_module import shard_module
 from lightning_shard.testing import run_on_ranks

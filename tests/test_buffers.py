@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shard import MixedPrecision, ShardStrategy
 from lightning_shard.engine import collectives
+from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.option_choices import ShardingStrategy
-from lightning_shard.engine.parallel.dims import build_shard_mesh
 from lightning_shard.engine.policies import resolve_wrap_policy
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module
 from lightning_shard.testing import run_on_ranks

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shard.engine import collectives
+from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.option_choices import ShardingStrategy
-from lightning_shard.engine.parallel.dims import build_shard_mesh
 from lightning_shard.engine.policies import resolve_wrap_policy
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module
 from lightning_shard.engine.unit import UnitState

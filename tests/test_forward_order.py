@@ -17,8 +17,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from lightning_shard import ShardStrategy
+from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.option_choices import ShardingStrategy
-from lightning_shard.engine.parallel.dims import build_shard_mesh
 from lightning_shard.engine.policies import resolve_wrap_policy
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module
 from lightning_shard.engine.unit import BackwardState, UnitState

@@ -23,7 +23,7 @@ from lightning.pytorch import Trainer
 
 from lightning_shard import MixedPrecision, ShardingStrategy, ShardStrategy
 from lightning_shard.engine.clipping import clip_grad_norm_
-from lightning_shard.engine.parallel.dims import build_shard_mesh
+from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.policies import resolve_wrap_policy
 from lightning_shard.engine.sharded_module import shard_module
 from lightning_shard.testing import run_on_ranks

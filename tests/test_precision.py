@@ -224,8 +224,8 @@ class WithBuffer(torch.nn.Module):
 
 
 def mixed_options(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_shard.engine.mesh import build_shard_mesh
     from lightning_shard.engine.option_choices import ShardingStrategy
-    from lightning_shard.engine.parallel.dims import build_shard_mesh
     from lightning_shard.engine.sharded_module import shard_module
 
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_shard import ShardingStrategy, ShardStrategy
 from lightning_shard.engine import collectives
 from lightning_shard.engine.activation_checkpointing import apply_activation_checkpointing
-from lightning_shard.engine.parallel.dims import build_shard_mesh
+from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.policies import resolve_wrap_policy
 from lightning_shard.engine.sharded_module import shard_module
 from lightning_shard.testing import run_on_ranks

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
 
 from lightning_shard.common.options import ShardOptions
-from lightning_shard.engine.mesh import ShardMesh
+from lightning_shard.engine.mesh import ShardMesh, build_meshes
 from lightning_shard.engine.parallel.dims import ParallelDims
 from lightning_shard.engine.parallel.dims import ParallelSizeError as ParallelSizeError  # raised by parallel_dims
 from lightning_shard.engine.progress import RECORD, start_publishing, stop_publishing
@@ -110,7 +110,7 @@ def start_mesh(
     before, on every rank, so bad sizes cannot hang the others."""
     owns = init_process_group(cluster_environment, backend, timeout, device)
     start_publishing(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), timeout)
-    mesh, device_mesh = dims.build(device.type, backend)
+    mesh, device_mesh = build_meshes(dims, device.type, backend)
     if owns:
         for group in mesh.owned_groups:
             bound_waits(timeout, group)

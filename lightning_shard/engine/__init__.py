@@ -28,9 +28,9 @@ from torch import Tensor, nn
 
 from lightning_shard.engine.clipping import clip_grad_norm_ as _clip_shards
 from lightning_shard.engine.full_params import summon_full_params
+from lightning_shard.engine.mesh import build_shard_mesh
 from lightning_shard.engine.mixed_precision import MixedPrecision
 from lightning_shard.engine.option_choices import CpuAllocator, ParamInit, ShardingStrategy, ShardingStrategyName
-from lightning_shard.engine.parallel.dims import build_shard_mesh
 from lightning_shard.engine.policies import WrapPolicySpec, resolve_wrap_policy
 from lightning_shard.engine.sharded_module import ShardedModule, shard_module, sharded_module_of
 from lightning_shard.engine.whole_tensor_step import prepare_optimizer as _prepare_optimizer

@@ -29,13 +29,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_shard.engine.option_choices import ShardingStrategy
+from lightning_shard.engine.parallel.context import ContextParallel
+from lightning_shard.engine.parallel.dims import ParallelDims
+from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_shard.engine.parallel.context import ContextParallel
-    from lightning_shard.engine.parallel.dims import ParallelDims
-    from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 
 
 @dataclass
@@ -235,3 +235,65 @@ def _is_registered(group: ProcessGroup) -> bool:
     except (KeyError, ValueError, RuntimeError):
         return False
     return True
+
+
+def build_meshes(dims: ParallelDims, device_type: str, backend: str | None) -> tuple[ShardMesh, DeviceMesh]:
+    """This rank's ``ShardMesh`` in the layout ``dims`` (its groups, pipeline stage and context-parallel group) and
+    the ``DeviceMesh`` of ``ParallelDims.build_mesh``; without tensor, context or pipeline parallelism the latter is
+    ``(world, 1)`` and built from existing groups. Collective: every rank calls it, in the same order."""
+    device_mesh = dims.build_mesh(device_type) if max(dims.context, dims.tensor, dims.pipeline) > 1 else None
+    mesh = build_groups(dims, backend)
+    if device_mesh is None:
+        return mesh, _data_parallel_only_mesh(dims, mesh, device_type)
+    if dims.pipeline > 1:
+        group = device_mesh["pipeline_parallel"].get_group()
+        mesh.pipeline = PipelineRanks(group, dims.pipeline, dims.stage, dims.pipeline_group())
+    if dims.context > 1:
+        mesh.context_parallel = ContextParallel.of(device_mesh["context_parallel"])
+    return mesh, device_mesh
+
+
+def build_groups(dims: ParallelDims, backend: str | None = None) -> ShardMesh:
+    """This rank's ``ShardMesh``: the shard and replicate groups of its column (``None`` for an axis of size 1),
+    and the column's own group when neither is all of it."""
+    mesh = ShardMesh(dims)
+    whole = dims.tensor == 1 and dims.pipeline == 1  # the column is the world: the default group
+    if dims.shard > 1 or dims.pipeline > 1:  # a stage of one rank still has its own group: the world is not it
+        world = whole and dims.replicas == 1
+        mesh.shard_group = dist.group.WORLD if world else mesh.new_groups(dims.shard_groups(), backend)
+    if dims.replicas > 1:
+        world = whole and dims.shard == 1
+        mesh.replicate_group = dist.group.WORLD if world else mesh.new_groups(dims.replicate_groups(), backend)
+    if not whole and (dims.replicas > 1) == (dims.shard > 1):  # both axes or neither: the column's own group
+        mesh.column_data_parallel_group = mesh.new_groups(dims.column_groups(), backend)
+    mesh.shard_backend = dist.get_backend(mesh.shard_group) if mesh.shard_group is not None else None
+    return mesh
+
+
+def _data_parallel_only_mesh(dims: ParallelDims, mesh: ShardMesh, device_type: str) -> DeviceMesh:
+    """``("data_parallel", "tensor_parallel")`` of shape ``(world, 1)``, as ModelParallelStrategy has it: the
+    default group, and a group of this rank alone created by it alone (no collective; destroyed with the mesh's
+    groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    alone = dist.new_group([dims.rank], use_local_synchronization=True)
+    mesh.owned_groups.append(alone)
+    world = dist.group.WORLD
+    assert world is not None
+    layout = torch.arange(dims.world_size).view(-1, 1)
+    return DeviceMesh.from_group(
+        [world, alone], device_type, mesh=layout, mesh_dim_names=("data_parallel", "tensor_parallel")
+    )
+
+
+def build_shard_mesh(
+    strategy: ShardingStrategy,
+    device_mesh: tuple[int, int] | None,
+    backend: str | None = None,
+    tensor_parallel_size: int = 1,
+) -> ShardMesh:
+    """The engine's ``ShardMesh`` over the default process group, its data-parallel ranks those of each
+    tensor-parallel coordinate (see [Note: the data-parallel ranks under tensor parallelism]). Collective."""
+    dims = ParallelDims.of_world(dist.get_world_size(), tensor=tensor_parallel_size, strategy=strategy,
+                                 device_mesh=device_mesh, rank=dist.get_rank())  # fmt: skip
+    return build_groups(dims, backend)

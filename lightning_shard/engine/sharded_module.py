@@ -106,7 +106,7 @@ from lightning_shard.engine.unit import BackwardState, ShardUnit, UnitState
 from lightning_shard.engine.wrapping import refuse_foreign_sharding
 
 if TYPE_CHECKING:
-    from lightning_shard.engine.parallel.apply import PipelineStage
+    from lightning_shard.engine.parallel.pipeline import PipelineStage
 
 _ENGINE_ATTR = "_lightning_shard_engine"
 
@@ -133,7 +133,7 @@ class ShardedModule:
         self.pool = BufferPool()  # every unit's step buffers: see [Note: the buffer pool]
         self.uninitialized: dict[str, str] = {}  # meta parameters without reset_parameters(), unloaded: fqn -> where
         self.param_init = ParamInit.RESET_PARAMETERS  # how meta-device parameters were materialised
-        self.pipeline_stage: PipelineStage | None = None  # this rank's stage of the root (see parallel/apply.py)
+        self.pipeline_stage: PipelineStage | None = None  # this rank's stage of the root (parallel/apply.py)
         # Checks of loaded state that wait for the next forward (e.g. weights a partial checkpoint left out).
         self._checks_before_forward: dict[str, Callable[[], None]] = {}
         for unit in units:

@@ -21,6 +21,7 @@ from lightning_shard.engine.option_choices import CpuAllocator, ParamInit, Pipel
 from lightning_shard.engine.parallel.pipeline import (
     Pipeline,
     PipelineError,
+    PipelineStage,
     StageSplit,
     outermost_blocks,
 )
@@ -37,18 +38,6 @@ class PipelinePlan:
     schedule: PipelineSchedule
     microbatches: int
     split_points: Sequence[str] | None = None
-
-
-@dataclass(frozen=True)
-class PipelineStage:
-    """This rank's stage of a module: the schedule that runs it, the name of the submodule whose calls run it
-    (``""``: the module), the split of the blocks over the stages (a checkpoint records it), and the block rule
-    (also the units the stage is sharded by)."""
-
-    pipeline: Pipeline
-    prefix: str
-    split: StageSplit
-    blocks: WrapPolicy
 
 
 def apply_parallelism(

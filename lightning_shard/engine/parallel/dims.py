@@ -1,7 +1,8 @@
 """The one owner of the parallel layout, as torchtitan's ``parallel_dims.py`` is: the sizes of the parallel
-dimensions, their checks and derived defaults, the ``DeviceMesh`` and the process groups they make, and every answer
-to "which rank sits where". Nothing else in the package computes with ranks: the sampler, the shard and replicate
-groups, the pipeline stages and the weights tied across them ask ``ParallelDims``.
+dimensions, their checks and derived defaults, the ``DeviceMesh`` and the members of the process groups they make
+(``engine/mesh.py`` creates those groups from them), and every answer to "which rank sits where". Nothing else in
+the package computes with ranks: the sampler, the shard and replicate groups, the pipeline stages and the weights
+tied across them ask ``ParallelDims``.
 
 [Note: the parallel layout]
 The world is the mesh pipeline x data x context x tensor, in that order (``P x D x C x T`` ranks): global rank ``g``
@@ -33,13 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from lightning_shard.engine.mesh import ShardMesh
 from lightning_shard.engine.option_choices import ShardingStrategy
-from lightning_shard.engine.parallel.context import ContextParallel
-from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -198,65 +193,6 @@ class ParallelDims:
         if self.pipeline > 1:
             shape, names = (self.pipeline, *shape), ("pipeline_parallel", *names)
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
-
-    def build(self, device_type: str, backend: str | None) -> tuple[ShardMesh, DeviceMesh]:
-        """This rank's ``ShardMesh`` (its groups, pipeline stage and context-parallel group) and the ``DeviceMesh``
-        of ``build_mesh``; without tensor, context or pipeline parallelism the latter is ``(world, 1)`` and built
-        from existing groups."""
-        device_mesh = self.build_mesh(device_type) if max(self.context, self.tensor, self.pipeline) > 1 else None
-        mesh = self.build_groups(backend)
-        if device_mesh is None:
-            return mesh, self._data_parallel_only_mesh(mesh, device_type)
-        if self.pipeline > 1:
-            group = device_mesh["pipeline_parallel"].get_group()
-            mesh.pipeline = PipelineRanks(group, self.pipeline, self.stage, self.pipeline_group())
-        if self.context > 1:
-            mesh.context_parallel = ContextParallel.of(device_mesh["context_parallel"])
-        return mesh, device_mesh
-
-    def build_groups(self, backend: str | None = None) -> ShardMesh:
-        """This rank's ``ShardMesh``: the shard and replicate groups of its column (``None`` for an axis of size 1),
-        and the column's own group when neither is all of it."""
-        mesh = ShardMesh(self)
-        whole = self.tensor == 1 and self.pipeline == 1  # the column is the world: the default group
-        if self.shard > 1 or self.pipeline > 1:  # a stage of one rank still has its own group: the world is not it
-            world = whole and self.replicas == 1
-            mesh.shard_group = dist.group.WORLD if world else mesh.new_groups(self.shard_groups(), backend)
-        if self.replicas > 1:
-            world = whole and self.shard == 1
-            mesh.replicate_group = dist.group.WORLD if world else mesh.new_groups(self.replicate_groups(), backend)
-        if not whole and (self.replicas > 1) == (self.shard > 1):  # both axes or neither: the column's own group
-            mesh.column_data_parallel_group = mesh.new_groups(self.column_groups(), backend)
-        mesh.shard_backend = dist.get_backend(mesh.shard_group) if mesh.shard_group is not None else None
-        return mesh
-
-    def _data_parallel_only_mesh(self, mesh: ShardMesh, device_type: str) -> DeviceMesh:
-        """``("data_parallel", "tensor_parallel")`` of shape ``(world, 1)``, as ModelParallelStrategy has it: the
-        default group, and a group of this rank alone created by it alone (no collective; destroyed with the mesh's
-        groups)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        alone = dist.new_group([self.rank], use_local_synchronization=True)
-        mesh.owned_groups.append(alone)
-        world = dist.group.WORLD
-        assert world is not None
-        layout = torch.arange(self.world_size).view(-1, 1)
-        return DeviceMesh.from_group(
-            [world, alone], device_type, mesh=layout, mesh_dim_names=("data_parallel", "tensor_parallel")
-        )
-
-
-def build_shard_mesh(
-    strategy: ShardingStrategy,
-    device_mesh: tuple[int, int] | None,
-    backend: str | None = None,
-    tensor_parallel_size: int = 1,
-) -> ShardMesh:
-    """The engine's ``ShardMesh`` over the default process group, its data-parallel ranks those of each
-    tensor-parallel coordinate (see [Note: the data-parallel ranks under tensor parallelism]). Collective."""
-    dims = ParallelDims.of_world(dist.get_world_size(), tensor=tensor_parallel_size, strategy=strategy,
-                                 device_mesh=device_mesh, rank=dist.get_rank())  # fmt: skip
-    return dims.build_groups(backend)
 
 
 def mesh_shape(strategy: ShardingStrategy, world_size: int, device_mesh: tuple[int, int] | None) -> tuple[int, int]:

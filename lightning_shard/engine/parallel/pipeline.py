@@ -51,6 +51,7 @@ from lightning_shard.engine.option_choices import PipelineSchedule
 from lightning_shard.engine.parallel.pipeline_ranks import PipelineRanks
 from lightning_shard.engine.parallel.pipeline_support import unsupported_blocks
 from lightning_shard.engine.parallel.pipeline_ties import TiedAcrossStages, TiedParameter, ties_across_stages
+from lightning_shard.engine.policies import WrapPolicy
 
 
 class PipelineError(ValueError):
@@ -510,3 +511,15 @@ def measured_bubble(busy_seconds: float, seconds: float) -> float:
     """The share of ``seconds`` (a step, or the schedule's part of it) a stage spent outside its own microbatches'
     forwards and backwards."""
     return max(0.0, 1.0 - busy_seconds / seconds) if seconds > 0 and math.isfinite(busy_seconds) else 0.0
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This rank's stage of a module: the schedule that runs it, the name of the submodule whose calls run it
+    (``""``: the module), the split of the blocks over the stages (a checkpoint records it), and the block rule
+    (also the units the stage is sharded by)."""
+
+    pipeline: Pipeline
+    prefix: str
+    split: StageSplit
+    blocks: WrapPolicy
