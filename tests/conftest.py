@@ -1,7 +1,11 @@
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from lightning_shard.testing import shutdown_ranks
+from tests.jobs import AT_ONCE
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
@@ -15,3 +19,12 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001, ANN201
     shutdown_ranks()
+
+
+@pytest.fixture(scope="module")
+def background() -> Iterator[ThreadPoolExecutor]:
+    """A module's fresh-process jobs, ``AT_ONCE`` at a time (see [Note: jobs in the background] in tests/jobs.py).
+    When the module ends, jobs not started are dropped and running ones are waited for (each has its timeout)."""
+    jobs = ThreadPoolExecutor(AT_ONCE, thread_name_prefix="job")
+    yield jobs
+    jobs.shutdown(wait=True, cancel_futures=True)

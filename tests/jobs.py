@@ -1,4 +1,14 @@
-"""What the tests that start whole jobs (Lightning's launcher, torchrun agents, the examples) share."""
+"""What the tests that start whole jobs (Lightning's launcher, torchrun agents, the examples) share.
+
+[Note: jobs in the background]
+A launched job spends most of its time in one interpreter importing torch and Lightning: Lightning's launcher starts
+the other ranks only once its own process has imported them, and a torchrun agent imports before its workers do. So
+one job keeps about one core busy. A module that starts several independent jobs hands them all to the module's
+``background`` (``tests/conftest.py``) when its first test runs, and each test waits for the job it checks:
+``AT_ONCE`` jobs run at a time, which keeps a 2-core machine's cores busy without more processes than memory holds.
+Only the jobs of the tests this session runs are started (``start_jobs``). Jobs that time a rank's silence (the stall,
+preemption and elastic tests) run alone, in the foreground.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +16,17 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import pytest
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+AT_ONCE = 2  # background jobs running at once: see [Note: jobs in the background]
 
 # Rank and rendezvous variables a launcher sets for its ranks. A test may itself run inside a launched process (or
 # a worker that inherited them): a job started from it must not see them, or it would join that job's rendezvous.
@@ -38,3 +57,24 @@ def launch_role(script: Path, root: Path, role: str, devices: int) -> list[Any]:
                           env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))  # fmt: skip
     assert done.returncode == 0, f"{role}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
     return [torch.load(root / f"{role}-{rank}.pt") for rank in range(devices)]
+
+
+def start_jobs(
+    request: pytest.FixtureRequest, background: ThreadPoolExecutor, key: Callable[[pytest.Item], K],
+    job: Callable[[K], T],
+) -> dict[K, Future[T]]:
+    """Start ``job(key(test))`` in ``background``, once a key, for every test this session runs (after ``-k``, ``-m``
+    or node ids) that uses the requesting fixture, in the tests' order; return the futures by key."""
+    started: dict[K, Future[T]] = {}
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module and request.fixturename in getattr(item, "fixturenames", ()):
+            name = key(item)
+            if name not in started:
+                started[name] = background.submit(job, name)
+    return started
+
+
+def param(item: pytest.Item, name: str, default: Any = None) -> Any:
+    """The value of ``item``'s parameter ``name`` (``default`` for a test without it)."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get(name, default) if callspec is not None else default
