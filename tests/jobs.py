@@ -12,6 +12,7 @@ preemption and elastic tests) run alone, in the foreground.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -57,6 +58,17 @@ def launch_role(script: Path, root: Path, role: str, devices: int) -> list[Any]:
                           env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))  # fmt: skip
     assert done.returncode == 0, f"{role}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
     return [torch.load(root / f"{role}-{rank}.pt") for rank in range(devices)]
+
+
+def script_function(rank: int, world_size: int, script: str, function: str, *args: Any) -> Any:
+    """``function(*args)`` from the launch script ``script`` (imported as a module: its ``__main__`` block does not
+    run), on a pooled rank: ``run_on_ranks(script_function, 2, str(SCRIPT), "fit", ...)``. For what needs no fresh
+    process, such as the script's own reference fit."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, function)(*args)
 
 
 def start_jobs(
