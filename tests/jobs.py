@@ -8,6 +8,15 @@ one job keeps about one core busy. A module that starts several independent jobs
 ``AT_ONCE`` jobs run at a time, which keeps a 2-core machine's cores busy without more processes than memory holds.
 Only the jobs of the tests this session runs are started (``start_jobs``). Jobs that time a rank's silence (the stall,
 preemption and elastic tests) run alone, in the foreground.
+
+[Note: early checks]
+A check that keeps one process busy for many seconds and needs nothing from the rest of the session (the type check of
+the package, building and installing the wheel: cold caches on a fresh clone make them the slowest single tests) is
+started when the session starts, in a background thread, its processes at the lowest CPU priority (``NICE``): it runs
+on what the other tests leave idle and slows none of them, and its test, when its turn comes, waits for what is left.
+A test opts in with ``@pytest.mark.early(check=check)``; its ``early`` fixture (``tests/conftest.py``) is ``check()``'s
+result, or raises what ``check()`` raised. The check's processes carry no timeout of their own (at the lowest priority
+they may wait long for a core while the suite runs); the fixture waits at most ``EARLY_WAIT_S`` once the test asks.
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Hashable
+import threading
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +38,9 @@ K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 AT_ONCE = 2  # background jobs running at once: see [Note: jobs in the background]
+NICE = ["nice", "-n", "19"]  # the prefix of an early check's commands: see [Note: early checks]
+EARLY_WAIT_S = 900.0  # how long a test waits for its early check once its turn comes
+_EARLY: dict[str, Future[Any]] = {}  # each early check by its test's node id
 
 # Rank and rendezvous variables a launcher sets for its ranks. A test may itself run inside a launched process (or
 # a worker that inherited them): a job started from it must not see them, or it would join that job's rendezvous.
@@ -90,3 +103,25 @@ def param(item: pytest.Item, name: str, default: Any = None) -> Any:
     """The value of ``item``'s parameter ``name`` (``default`` for a test without it)."""
     callspec = getattr(item, "callspec", None)
     return callspec.params.get(name, default) if callspec is not None else default
+
+
+def start_early_checks(items: Iterable[pytest.Item]) -> None:
+    """Start the early check of each of ``items`` marked ``early`` (see [Note: early checks]), once each."""
+    for item in items:
+        marker = item.get_closest_marker("early")
+        if marker is not None and item.nodeid not in _EARLY:
+            _EARLY[item.nodeid] = future = Future()
+            threading.Thread(target=_complete, args=(future, marker.kwargs["check"]), name="early", daemon=True).start()
+
+
+def early_result(item: pytest.Item) -> Any:
+    """What ``item``'s early check returned (started now if it was not yet); raises what the check raised."""
+    start_early_checks([item])
+    return _EARLY[item.nodeid].result(timeout=EARLY_WAIT_S)
+
+
+def _complete(future: Future[T], check: Callable[[], T]) -> None:
+    try:
+        future.set_result(check())
+    except BaseException as err:  # noqa: BLE001 - raised in the test that waits for it
+        future.set_exception(err)
