@@ -10,13 +10,14 @@ Only the jobs of the tests this session runs are started (``start_jobs``). Jobs 
 preemption and elastic tests) run alone, in the foreground.
 
 [Note: early checks]
-A check that keeps one process busy for many seconds and needs nothing from the rest of the session (the type check of
-the package, building and installing the wheel: cold caches on a fresh clone make them the slowest single tests) is
-started when the session starts, in a background thread, its processes at the lowest CPU priority (``NICE``): it runs
-on what the other tests leave idle and slows none of them, and its test, when its turn comes, waits for what is left.
-A test opts in with ``@pytest.mark.early(check=check)``; its ``early`` fixture (``tests/conftest.py``) is ``check()``'s
-result, or raises what ``check()`` raised. The check's processes carry no timeout of their own (at the lowest priority
-they may wait long for a core while the suite runs); the fixture waits at most ``EARLY_WAIT_S`` once the test asks.
+A check that keeps one process busy for seconds and needs nothing from the rest of the session (the type check of the
+package, building and installing the wheel, a fresh interpreter's imports) starts when the session starts, in a
+background thread, one at a time: it runs on what the other tests leave idle (a launched job's ranks waiting for each
+other, a test's single process), and its test, when its turn comes, waits for what is left. A test opts in with
+``@pytest.mark.early(check=check)``; its ``early`` fixture (``tests/conftest.py``) is ``check()``'s result, or raises
+what ``check()`` raised. The check's processes run with the session's environment and in the repository
+(``run_early``), whatever a test running meanwhile does to this process's. They keep the normal priority: at the
+lowest, a machine busy with other work would starve them while their test waits.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 AT_ONCE = 2  # background jobs running at once: see [Note: jobs in the background]
-NICE = ["nice", "-n", "19"]  # the prefix of an early check's commands: see [Note: early checks]
-EARLY_WAIT_S = 900.0  # how long a test waits for its early check once its turn comes
+ROOT = Path(__file__).resolve().parents[1]
+# The environment when the session started, for an early check's processes: a test running meanwhile may change this
+# process's environment (``monkeypatch.setenv``) or working directory.
+SESSION_ENV = dict(os.environ)
 _EARLY: dict[str, Future[Any]] = {}  # each early check by its test's node id
+_EARLY_SLOT = threading.Lock()  # early checks run one at a time
 
 # Rank and rendezvous variables a launcher sets for its ranks. A test may itself run inside a launched process (or
 # a worker that inherited them): a job started from it must not see them, or it would join that job's rendezvous.
@@ -105,6 +109,15 @@ def param(item: pytest.Item, name: str, default: Any = None) -> Any:
     return callspec.params.get(name, default) if callspec is not None else default
 
 
+def run_early(
+    command: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 600.0
+) -> subprocess.CompletedProcess:
+    """``command`` run to its end for an early check (see [Note: early checks]), in ``cwd``, with ``env`` (the
+    session's environment unless given), its output captured as text."""
+    return subprocess.run(command, cwd=cwd, env=SESSION_ENV if env is None else env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
 def start_early_checks(items: Iterable[pytest.Item]) -> None:
     """Start the early check of each of ``items`` marked ``early`` (see [Note: early checks]), once each."""
     for item in items:
@@ -117,11 +130,12 @@ def start_early_checks(items: Iterable[pytest.Item]) -> None:
 def early_result(item: pytest.Item) -> Any:
     """What ``item``'s early check returned (started now if it was not yet); raises what the check raised."""
     start_early_checks([item])
-    return _EARLY[item.nodeid].result(timeout=EARLY_WAIT_S)
+    return _EARLY[item.nodeid].result()
 
 
 def _complete(future: Future[T], check: Callable[[], T]) -> None:
-    try:
-        future.set_result(check())
-    except BaseException as err:  # noqa: BLE001 - raised in the test that waits for it
-        future.set_exception(err)
+    with _EARLY_SLOT:
+        try:
+            future.set_result(check())
+        except BaseException as err:  # noqa: BLE001 - raised in the test that waits for it
+            future.set_exception(err)
