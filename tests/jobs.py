@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The environment when the session started, for an early check's processes: a test running meanwhile may change this
 # process's environment (``monkeypatch.setenv``) or working directory.
 SESSION_ENV = dict(os.environ)
-_EARLY: dict[str, Future[Any]] = {}  # each early check by its test's node id
+_EARLY: dict[Callable[[], Any], Future[Any]] = {}  # each early check's result (tests that name one check share it)
 _EARLY_SLOT = threading.Lock()  # early checks run one at a time
 
 # Rank and rendezvous variables a launcher sets for its ranks. A test may itself run inside a launched process (or
@@ -52,9 +52,10 @@ LAUNCH_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PO
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """The environment for a job started from a test: this process's without any launcher's variables, one thread
-    per rank (``OMP_NUM_THREADS=1``), and ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_VARS and not k.startswith("TORCHELASTIC")}
+    """The environment for a job started from a test: the session's without any launcher's variables, one thread
+    per rank (``OMP_NUM_THREADS=1``), and ``extra``. (Not this process's now: a job may run in the background while
+    a test changes it, ``monkeypatch.setenv("SLURM_JOB_ID", ...)`` say.)"""
+    env = {k: v for k, v in SESSION_ENV.items() if k not in LAUNCH_ENV_VARS and not k.startswith("TORCHELASTIC")}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -119,18 +120,20 @@ def run_early(
 
 
 def start_early_checks(items: Iterable[pytest.Item]) -> None:
-    """Start the early check of each of ``items`` marked ``early`` (see [Note: early checks]), once each."""
+    """Start the early check of each of ``items`` marked ``early`` (see [Note: early checks]), once a check."""
     for item in items:
         marker = item.get_closest_marker("early")
-        if marker is not None and item.nodeid not in _EARLY:
-            _EARLY[item.nodeid] = future = Future()
+        if marker is not None and marker.kwargs["check"] not in _EARLY:
+            _EARLY[marker.kwargs["check"]] = future = Future()
             threading.Thread(target=_complete, args=(future, marker.kwargs["check"]), name="early", daemon=True).start()
 
 
 def early_result(item: pytest.Item) -> Any:
     """What ``item``'s early check returned (started now if it was not yet); raises what the check raised."""
     start_early_checks([item])
-    return _EARLY[item.nodeid].result()
+    marker = item.get_closest_marker("early")
+    assert marker is not None, f"{item.nodeid} uses the early fixture without an early mark"
+    return _EARLY[marker.kwargs["check"]].result()
 
 
 def _complete(future: Future[T], check: Callable[[], T]) -> None:
