@@ -10,20 +10,22 @@ Only the jobs of the tests this session runs are started (``start_jobs``). Jobs 
 preemption and elastic tests) run alone, in the foreground.
 
 [Note: early checks]
-A check that keeps one process busy for seconds and needs nothing from the rest of the session (the type check of the
-package, building and installing the wheel, a fresh interpreter's imports) starts when the session starts, in a
-background thread, one at a time: it runs on what the other tests leave idle (a launched job's ranks waiting for each
-other, a test's single process), and its test, when its turn comes, waits for what is left. A test opts in with
-``@pytest.mark.early(check=check)``; its ``early`` fixture (``tests/conftest.py``) is ``check()``'s result, or raises
-what ``check()`` raised. The check's processes run with the session's environment and in the repository
-(``run_early``), whatever a test running meanwhile does to this process's. They keep the normal priority: at the
-lowest, a machine busy with other work would starve them while their test waits.
+A check that keeps a process or a job busy for seconds and needs nothing from the rest of the session (the type check
+of the package, building and installing the wheel, a fresh interpreter's imports, the quickstart page in sequence)
+starts when the session starts: a background thread runs these checks one at a time, in the tests' order, on what the
+other tests leave idle (a launched job's ranks waiting for each other, a test's single process). Its test, when its
+turn comes, waits for what is left, or runs its check itself if the thread has not reached it yet. A test opts in
+with ``@pytest.mark.early(check=check)``; its ``early`` fixture (``tests/conftest.py``) is ``check()``'s result, or
+raises what ``check()`` raised. The check's processes run with the session's environment and in a folder of their own
+or the repository (``run_early``, ``job_env``), whatever a test running meanwhile does to this process's. They keep
+the normal priority: at the lowest, a machine busy with other work would starve them while their test waits.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -44,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # process's environment (``monkeypatch.setenv``) or working directory.
 SESSION_ENV = dict(os.environ)
 _EARLY: dict[Callable[[], Any], Future[Any]] = {}  # each early check's result (tests that name one check share it)
-_EARLY_SLOT = threading.Lock()  # early checks run one at a time
+_EARLY_QUEUE: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()  # the checks not yet taken, in test order
+_TAKEN: set[Callable[[], Any]] = set()  # the checks a thread has taken to run
+_TAKING = threading.Lock()
 
 # Rank and rendezvous variables a launcher sets for its ranks. A test may itself run inside a launched process (or
 # a worker that inherited them): a job started from it must not see them, or it would join that job's rendezvous.
@@ -120,25 +124,43 @@ def run_early(
 
 
 def start_early_checks(items: Iterable[pytest.Item]) -> None:
-    """Start the early check of each of ``items`` marked ``early`` (see [Note: early checks]), once a check."""
+    """Queue the early check of each of ``items`` marked ``early`` (see [Note: early checks]), once a check, for the
+    background thread that runs them one at a time in the tests' order."""
     for item in items:
-        marker = item.get_closest_marker("early")
-        if marker is not None and marker.kwargs["check"] not in _EARLY:
-            _EARLY[marker.kwargs["check"]] = future = Future()
-            threading.Thread(target=_complete, args=(future, marker.kwargs["check"]), name="early", daemon=True).start()
+        check = _early_check(item)
+        if check is not None and check not in _EARLY:
+            if not _EARLY:
+                threading.Thread(target=_run_queued_checks, name="early", daemon=True).start()
+            _EARLY[check] = Future()
+            _EARLY_QUEUE.put(check)
 
 
 def early_result(item: pytest.Item) -> Any:
-    """What ``item``'s early check returned (started now if it was not yet); raises what the check raised."""
+    """What ``item``'s early check returned; raises what the check raised. A check still queued when its test asks
+    runs now, in the test's own thread, instead of after the checks queued before it."""
+    check = _early_check(item)
+    assert check is not None, f"{item.nodeid} uses the early fixture without an early mark"
     start_early_checks([item])
+    _run_if_not_taken(check)
+    return _EARLY[check].result()
+
+
+def _early_check(item: pytest.Item) -> Callable[[], Any] | None:
     marker = item.get_closest_marker("early")
-    assert marker is not None, f"{item.nodeid} uses the early fixture without an early mark"
-    return _EARLY[marker.kwargs["check"]].result()
+    return None if marker is None else marker.kwargs["check"]
 
 
-def _complete(future: Future[T], check: Callable[[], T]) -> None:
-    with _EARLY_SLOT:
-        try:
-            future.set_result(check())
-        except BaseException as err:  # noqa: BLE001 - raised in the test that waits for it
-            future.set_exception(err)
+def _run_queued_checks() -> None:
+    while True:
+        _run_if_not_taken(_EARLY_QUEUE.get())
+
+
+def _run_if_not_taken(check: Callable[[], Any]) -> None:
+    with _TAKING:
+        if check in _TAKEN:
+            return
+        _TAKEN.add(check)
+    try:
+        _EARLY[check].set_result(check())
+    except BaseException as err:  # noqa: BLE001 - raised in the test that waits for it
+        _EARLY[check].set_exception(err)
