@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader
 from lightning_shard import ShardStrategy
 from lightning_shard.testing import RankFailure, RankStatus, run_on_ranks
 from tests.checkpoint_fits import fit
-from tests.jobs import job_env
+from tests.jobs import job_env, start_jobs
 from tests.models import LitModel, make_dataset
 
 _WORKER = "lightning_shard-background-save"
@@ -215,17 +216,30 @@ def test_fabric_async_save_with_the_full_layout_is_refused_when_the_strategy_is_
     FabricShardStrategy(async_save=True, state_dict_type="sharded")
 
 
-def _run_exit_script(*args: str) -> subprocess.CompletedProcess:
+def _run_exit_script(root: Path, *args: str) -> subprocess.CompletedProcess:
     script = Path(__file__).parent / "scripts" / "fabric_async_exit.py"
     return subprocess.run(
-        [sys.executable, str(script), *args], env=job_env(), capture_output=True, text=True,
+        [sys.executable, str(script), str(root / "last.ckpt"), *args], env=job_env(), capture_output=True, text=True,
         timeout=240,
     )
 
 
+@pytest.fixture(scope="module")
+def exits(
+    request: pytest.FixtureRequest, background: ThreadPoolExecutor, tmp_path_factory: pytest.TempPathFactory
+) -> dict[bool, Future[tuple[Path, subprocess.CompletedProcess]]]:
+    """Both tests' jobs, started with the first, by whether rank 1's background save fails: its folder and its run."""
+
+    def run(fail: bool) -> tuple[Path, subprocess.CompletedProcess]:
+        root = tmp_path_factory.mktemp("exit")
+        return root, _run_exit_script(root, *(["--fail-on-rank-1"] if fail else []))
+
+    return start_jobs(request, background, lambda item: "failing" in item.originalname, run)
+
+
 @pytest.mark.launch
-def test_the_end_of_a_fabric_process_waits_for_the_last_background_save(tmp_path: Path) -> None:
-    done = _run_exit_script(str(tmp_path / "last.ckpt"))
+def test_the_end_of_a_fabric_process_waits_for_the_last_background_save(exits: dict) -> None:
+    tmp_path, done = exits[False].result()
     report = f"exit {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
     assert done.returncode == 0, report
     assert done.stdout.count("returned from save") == 2, report
@@ -236,8 +250,8 @@ def test_the_end_of_a_fabric_process_waits_for_the_last_background_save(tmp_path
 
 
 @pytest.mark.launch
-def test_a_background_save_failing_at_the_end_of_a_fabric_process_fails_the_process(tmp_path: Path) -> None:
-    done = _run_exit_script(str(tmp_path / "last.ckpt"), "--fail-on-rank-1")
+def test_a_background_save_failing_at_the_end_of_a_fabric_process_fails_the_process(exits: dict) -> None:
+    tmp_path, done = exits[True].result()
     report = f"exit {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
     assert done.returncode != 0, report
     assert "the last background checkpoint save failed" in done.stderr and "No space left on device" in done.stderr

@@ -5,12 +5,11 @@ them; the user's own allocator settings win; a bad value is refused up front."""
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import pytest
 
@@ -18,7 +17,7 @@ from lightning_shard import ShardStrategy
 from lightning_shard.engine.cpu_allocator import AllocatorSetting, _user_chose_allocator
 from lightning_shard.engine.option_choices import CpuAllocator
 from lightning_shard.fabric import ShardStrategy as FabricShardStrategy
-from tests.jobs import free_port
+from tests.jobs import SESSION_ENV, free_port, run_early
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -53,20 +52,22 @@ _STEPS = textwrap.dedent(
 
 
 def _steady_faults(choice: str, **env: str) -> dict:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    """The run, as an early check (see [Note: early checks] in tests/jobs.py)."""
+    environ = {k: v for k, v in SESSION_ENV.items() if not k.startswith("MALLOC_")}
     environ.update(OMP_NUM_THREADS="1", **env)
-    out = subprocess.run(
-        [sys.executable, "-c", _STEPS, choice, str(free_port())],
-        env=environ, capture_output=True, text=True, timeout=300,
-    )
+    out = run_early([sys.executable, "-c", _STEPS, choice, str(free_port())], env=environ, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _system_and_reuse() -> tuple[dict, dict]:
+    return _steady_faults("system"), _steady_faults("reuse")
+
+
 @pytest.mark.skipif(not GLIBC, reason="the setting applies to glibc's malloc only")
-def test_reuse_stops_fresh_pages_for_gradients_and_optimizer_temporaries() -> None:
-    system = _steady_faults("system")
-    reuse = _steady_faults("reuse")
+@pytest.mark.early(check=_system_and_reuse)
+def test_reuse_stops_fresh_pages_for_gradients_and_optimizer_temporaries(early: tuple[dict, dict]) -> None:
+    system, reuse = early
     gradient_pages = 1024 * 9216 * 4 // 4096  # one weight gradient in 4 KiB pages
     assert min(system["faults"]) > gradient_pages, system  # the model does fault them in fresh every step
     assert reuse["setting"] == AllocatorSetting.APPLIED.value
@@ -77,8 +78,9 @@ def test_reuse_stops_fresh_pages_for_gradients_and_optimizer_temporaries() -> No
 
 
 @pytest.mark.skipif(not GLIBC, reason="the setting applies to glibc's malloc only")
-def test_the_users_malloc_settings_win() -> None:
-    chosen = _steady_faults("reuse", MALLOC_MMAP_THRESHOLD_="65536")
+@pytest.mark.early(check=partial(_steady_faults, "reuse", MALLOC_MMAP_THRESHOLD_="65536"))
+def test_the_users_malloc_settings_win(early: dict) -> None:
+    chosen = early
     assert chosen["setting"] == AllocatorSetting.USER_CHOSEN.value
 
 

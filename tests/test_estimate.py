@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from functools import partial
 
 import lightning as L
 import pytest
@@ -12,6 +13,7 @@ import torch
 from lightning_shard import ShardPrecision, ShardStrategy, estimate_memory
 from lightning_shard.testing import run_on_ranks
 from tests.fits import trainer_for
+from tests.jobs import run_early
 from tests.models import GPTBlock, LitModel, TinyGPT, loader
 
 
@@ -63,14 +65,22 @@ def test_estimate_scales_with_world_size_and_precision() -> None:
     assert bf16.gathered_peak == eight.gathered_peak // 2 and bf16.model_state == eight.model_state
 
 
-def test_estimate_cli() -> None:
-    done = subprocess.run([sys.executable, "-m", "lightning_shard.cli", "estimate", "tests.models:TinyGPT",
-                           "--world-size", "4", "--wrap", "GPTBlock"], capture_output=True, text=True)
+def _estimate_command(*options: str) -> subprocess.CompletedProcess:
+    """``lightning-shard estimate`` of the test GPT on 4 ranks, as an early check (see [Note: early checks] in
+    tests/jobs.py)."""
+    return run_early([sys.executable, "-m", "lightning_shard.cli", "estimate", "tests.models:TinyGPT", "--world-size",
+                      "4", "--wrap", "GPTBlock", *options])  # fmt: skip
+
+
+@pytest.mark.early(check=_estimate_command)
+def test_estimate_cli(early: subprocess.CompletedProcess) -> None:
+    done = early
     assert done.returncode == 0, done.stderr
     assert "per rank: parameters" in done.stdout and "largest unit: blocks." in done.stdout
 
 
-def test_estimate_with_cpu_offload_counts_model_state_as_cpu_memory() -> None:
+@pytest.mark.early(check=partial(_estimate_command, "--cpu-offload"))
+def test_estimate_with_cpu_offload_counts_model_state_as_cpu_memory(early: subprocess.CompletedProcess) -> None:
     with torch.device("meta"):
         model = TinyGPT(d=64, depth=4)
     resident = estimate_memory(model, 4, auto_wrap_policy={GPTBlock})
@@ -81,8 +91,7 @@ def test_estimate_with_cpu_offload_counts_model_state_as_cpu_memory() -> None:
     # On one rank nothing is gathered, but an offloaded unit is still uploaded to the device to compute.
     assert estimate_memory(model, 1, "NO_SHARD", auto_wrap_policy={GPTBlock}).gathered_peak == 0
     assert estimate_memory(model, 1, "NO_SHARD", auto_wrap_policy={GPTBlock}, cpu_offload=True).gathered_peak > 0
-    done = subprocess.run([sys.executable, "-m", "lightning_shard.cli", "estimate", "tests.models:TinyGPT",
-                           "--world-size", "4", "--wrap", "GPTBlock", "--cpu-offload"], capture_output=True, text=True)
+    done = early
     assert done.returncode == 0, done.stderr
     assert "in CPU memory" in done.stdout
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.jobs import free_port, job_env
+from tests.jobs import free_port, job_env, param, start_jobs
 
 pytestmark = pytest.mark.launch
 
@@ -62,12 +63,11 @@ def _commands(front: str, launcher: str, mode: str, root: Path) -> list[tuple[li
     ]
 
 
-@pytest.mark.parametrize(("front", "launcher", "mode"), CASES, ids=["-".join(case) for case in CASES])
-def test_a_fresh_job_matches_ddp(front: str, launcher: str, mode: str, tmp_path: Path) -> None:
-    logs = [tmp_path / f"node-{i}.log" for i in range(MODES[mode][2])]
+def _mode_job(front: str, launcher: str, mode: str, root: Path) -> None:
+    logs = [root / f"node-{i}.log" for i in range(MODES[mode][2])]
     jobs = [
         subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        for (command, env), log in zip(_commands(front, launcher, mode, tmp_path), logs)
+        for (command, env), log in zip(_commands(front, launcher, mode, root), logs)
     ]
     try:
         for job, log in zip(jobs, logs):
@@ -75,9 +75,36 @@ def test_a_fresh_job_matches_ddp(front: str, launcher: str, mode: str, tmp_path:
     finally:
         for job in jobs:
             job.kill()  # after a failure: no job outlives the test
+
+
+@pytest.fixture(scope="module")
+def jobs(
+    request: pytest.FixtureRequest, background: ThreadPoolExecutor, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, ...] | None, Future[Path]]:
+    """Each test's jobs, all started with the first test: a case's by ``(front, launcher, mode)``, the Fabric resume's
+    two (one after the other) by None. Each writes to a folder of its own, which its future gives."""
+
+    def run(case: tuple[str, ...] | None) -> Path:
+        root = tmp_path_factory.mktemp("-".join(case) if case else "fabric-resume")
+        if case:
+            _mode_job(*case, root)
+        else:
+            _fabric_jobs(root)
+        return root
+
+    def case(item: pytest.Item) -> tuple[str, ...] | None:
+        names = ("front", "launcher", "mode")
+        return tuple(param(item, name) for name in names) if param(item, "mode") else None
+
+    return start_jobs(request, background, case, run)
+
+
+@pytest.mark.parametrize(("front", "launcher", "mode"), CASES, ids=["-".join(case) for case in CASES])
+def test_a_fresh_job_matches_ddp(jobs: dict, front: str, launcher: str, mode: str) -> None:
+    root = jobs[front, launcher, mode].result()
     world_size = MODES[mode][2] * MODES[mode][3]
     for rank in range(world_size):
-        ours, ddp = torch.load(tmp_path / f"shard-{rank}.pt"), torch.load(tmp_path / f"ddp-{rank}.pt")
+        ours, ddp = torch.load(root / f"shard-{rank}.pt"), torch.load(root / f"ddp-{rank}.pt")
         assert ours["created"], "the process group existed before the strategy ran: not a fresh process"
         assert ours["mesh"] == MODES[mode][4]
         assert len(ours["losses"]) == len(ddp["losses"]) == 4
@@ -97,8 +124,13 @@ def _fabric_job(*args: str) -> None:
     assert done.returncode == 0, report
 
 
+def _fabric_jobs(root: Path) -> None:
+    _fabric_job(str(root / "uninterrupted"), "--steps", "3", "--save-first", str(root / "first"))
+    _fabric_job(str(root / "resumed"), "--steps", "3", "--resume", str(root / "first"))
+
+
 def test_a_fabric_job_resumed_with_fabric_load_in_fresh_processes_ends_where_the_uninterrupted_one_does(
-    tmp_path: Path,
+    jobs: dict,
 ) -> None:
     """``fabric.load`` reads the model's and the optimizer's rows in one pass; a resume that missed either (other
     seed: every weight and moment must come from the checkpoint) would end elsewhere. The uninterrupted job saves
@@ -107,11 +139,10 @@ def test_a_fabric_job_resumed_with_fabric_load_in_fresh_processes_ends_where_the
 
     from lightning_shard import consolidate
 
-    _fabric_job(str(tmp_path / "uninterrupted"), "--steps", "3", "--save-first", str(tmp_path / "first"))
-    _fabric_job(str(tmp_path / "resumed"), "--steps", "3", "--resume", str(tmp_path / "first"))
+    root = jobs[None].result()
     ends = {}
     for run in ("uninterrupted", "resumed"):
-        ends[run] = load_file(str(consolidate(tmp_path / run, tmp_path / f"{run}.safetensors")))
+        ends[run] = load_file(str(consolidate(root / run, root / f"{run}.safetensors")))
     assert ends["resumed"].keys() == ends["uninterrupted"].keys()
     for name, value in ends["uninterrupted"].items():
         assert torch.equal(ends["resumed"][name], value), name

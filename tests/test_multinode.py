@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,43 +15,40 @@ import torch
 from tests.jobs import free_port, job_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "multinode_fit.py"
-
-pytestmark = pytest.mark.launch
-
+STRATEGIES = ("ddp", "FULL_SHARD", "HYBRID_SHARD")
 
 
+def _two_agents() -> dict[str, list[dict]]:
+    """What every rank saved, by strategy. An early check (see [Note: early checks] in tests/jobs.py), which both
+    tests read: nothing here needs the rest of the session."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        port = free_port()
+        logs = [root / f"agent-{node}.log" for node in (0, 1)]
+        agents = [
+            subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                 "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT),
+                 "--root", str(root)],
+                env=job_env(), cwd=root, stdout=logs[node].open("w"), stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            for node in (0, 1)
+        ]
+        try:
+            for agent, log in zip(agents, logs):
+                assert agent.wait(timeout=300) == 0, log.read_text()[-5000:]
+        finally:
+            for agent in agents:
+                agent.kill()  # after a failure: no agent outlives the test
+        return {strategy: [torch.load(root / f"{strategy}-{rank}.pt") for rank in range(4)] for strategy in STRATEGIES}
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("multinode")
-    env = job_env()
-    port = free_port()
-    logs = [root / f"agent-{node}.log" for node in (0, 1)]
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT),
-             "--root", str(root)],
-            env=env, stdout=logs[node].open("w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        for node in (0, 1)
-    ]
-    try:
-        for agent, log in zip(agents, logs):
-            assert agent.wait(timeout=300) == 0, log.read_text()[-5000:]
-    finally:
-        for agent in agents:
-            agent.kill()  # after a failure: no agent outlives the test
-    return root
 
-
-def _load(root: Path, strategy: str) -> list[dict]:
-    return [torch.load(root / f"{strategy}-{rank}.pt") for rank in range(4)]
+pytestmark = [pytest.mark.launch, pytest.mark.early(check=_two_agents)]
 
 
 @pytest.mark.parametrize(("sharding", "mesh"), [("FULL_SHARD", (1, 4)), ("HYBRID_SHARD", (2, 2))])
-def test_two_nodes_of_two_devices_match_ddp(results: Path, sharding: str, mesh: tuple[int, int]) -> None:
-    ours, ddp = _load(results, sharding), _load(results, "ddp")
+def test_two_nodes_of_two_devices_match_ddp(early: dict[str, list[dict]], sharding: str, mesh: tuple[int, int]) -> None:
+    ours, ddp = early[sharding], early["ddp"]
     assert [r["node"] for r in ours] == [0, 0, 1, 1]
     assert [r["mesh"] for r in ours] == [mesh] * 4  # HYBRID_SHARD by default: (num_nodes, devices)
     for rank, (a, b) in enumerate(zip(ours, ddp)):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_shard.testing import run_on_ranks
-from tests.jobs import free_port, job_env
+from tests.jobs import free_port, job_env, param, start_jobs
 from tests.optimizer_fits import (
     OptimizerRun,
     adafactor_small_head,
@@ -117,13 +118,9 @@ def test_whole_tensor_optimizers_resume_at_another_world_size(tmp_path, optimize
         assert_same_params(result["params"], reference["params"])
 
 
-@pytest.mark.launch
-@pytest.mark.parametrize("front", ["trainer", "fabric"])
-def test_muon_and_the_users_clip_in_a_launched_job_equal_one_process(tmp_path, front: str) -> None:
-    """As plain-PyTorch users write it, in fresh processes: the Trainer (manual optimization) started by Lightning's
-    launcher, a Fabric loop started by torchrun."""
+def _launch(front: str, root: Path) -> Path:
     script = [str(Path(__file__).parent / "scripts" / "optimizer_fit.py"), "--front", front, "--devices", "2",
-              "--root", str(tmp_path)]  # fmt: skip
+              "--root", str(root)]  # fmt: skip
     port = str(free_port())
     if front == "fabric":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
@@ -133,9 +130,27 @@ def test_muon_and_the_users_clip_in_a_launched_job_equal_one_process(tmp_path, f
         command, env = [sys.executable, *script], job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-6000:]
-    reference = one_process(OptimizerRun(optimizers="muon", clip=0.05))
+    return root
+
+
+@pytest.fixture(scope="module")
+def launched(
+    request: pytest.FixtureRequest, background: ThreadPoolExecutor, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future[Path]]:
+    """Each front's job, both started with the first test: the folder its ranks saved in."""
+    return start_jobs(request, background, lambda item: param(item, "front"),
+                      lambda front: _launch(front, tmp_path_factory.mktemp(front)))  # fmt: skip
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("front", ["trainer", "fabric"])
+def test_muon_and_the_users_clip_in_a_launched_job_equal_one_process(launched: dict, front: str) -> None:
+    """As plain-PyTorch users write it, in fresh processes: the Trainer (manual optimization) started by Lightning's
+    launcher, a Fabric loop started by torchrun."""
+    reference = one_process(OptimizerRun(optimizers="muon", clip=0.05))  # while the jobs run
+    root = launched[front].result()
     for rank in range(2):
-        result = torch.load(tmp_path / f"shard-{rank}.pt")
+        result = torch.load(root / f"shard-{rank}.pt")
         torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]))
         assert_same_params(result["params"], reference["params"])
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file
@@ -37,19 +39,31 @@ def _run(*command: str, cwd: Path) -> str:
     return done.stdout
 
 
-def test_the_quickstart_in_sequence_trains_resumes_and_consolidates_the_resumed_run(tmp_path: Path) -> None:
+def _in_sequence() -> dict[str, Any]:
+    """The page in order in a fresh folder: what each step printed, and the names in the consolidated file. An early
+    check (see [Note: early checks] in tests/jobs.py): nothing here needs the rest of the session."""
     blocks = _python_blocks()
     quickstart = blocks[0]
     resume = next(b for b in blocks if "from quickstart import" in b)
-    (tmp_path / "quickstart.py").write_text(_fewer_steps(quickstart, 100, 10))
-    (tmp_path / "resume.py").write_text(_fewer_steps(resume, 200, 20))
-    out = _run(sys.executable, "quickstart.py", cwd=tmp_path)
+    command = str(Path(sys.executable).parent / "lightning-shard")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "quickstart.py").write_text(_fewer_steps(quickstart, 100, 10))
+        (folder / "resume.py").write_text(_fewer_steps(resume, 200, 20))
+        printed = {"quickstart": _run(sys.executable, "quickstart.py", cwd=folder)}
+        printed["first inspect"] = _run(command, "inspect", "checkpoints/last.ckpt", cwd=folder)
+        _run(sys.executable, "resume.py", cwd=folder)
+        printed["second inspect"] = _run(command, "inspect", "checkpoints/last.ckpt", cwd=folder)
+        _run(command, "consolidate", "checkpoints/last.ckpt", "model.safetensors", cwd=folder)
+        return {**printed, "consolidated": set(load_file(str(folder / "model.safetensors")))}
+
+
+@pytest.mark.early(check=_in_sequence)
+def test_the_quickstart_in_sequence_trains_resumes_and_consolidates_the_resumed_run(early: dict[str, Any]) -> None:
+    out = early["quickstart"]
     assert "rank 0: params" in out and "rank 1: params" in out, out
-    first = _run(str(Path(sys.executable).parent / "lightning-shard"), "inspect", "checkpoints/last.ckpt", cwd=tmp_path)
+    first = early["first inspect"]
     assert "written by 2 ranks" in first and "step 10\n" in first, first
-    _run(sys.executable, "resume.py", cwd=tmp_path)
-    after = _run(str(Path(sys.executable).parent / "lightning-shard"), "inspect", "checkpoints/last.ckpt", cwd=tmp_path)
+    after = early["second inspect"]
     assert "written by 3 ranks" in after and "step 20\n" in after, after
-    _run(str(Path(sys.executable).parent / "lightning-shard"), "consolidate", "checkpoints/last.ckpt",
-         "model.safetensors", cwd=tmp_path)
-    assert "net.blocks.0.fc.weight" in load_file(str(tmp_path / "model.safetensors"))
+    assert "net.blocks.0.fc.weight" in early["consolidated"]

@@ -12,21 +12,22 @@ import json
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from lightning_shard.cli import build_parser
+from tests.jobs import run_early
 
-ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "lightning", "pytorch_lightning", "transformers", "lightning_shard.engine",
          "lightning_shard.checkpoint")
 LAZY_PACKAGES = ("lightning_shard", "lightning_shard.fabric", "lightning_shard.trainer")
 
 
 def _fresh_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    """``code`` run by a fresh interpreter, as an early check (see [Note: early checks] in tests/jobs.py)."""
+    return run_early([sys.executable, "-c", textwrap.dedent(code)], timeout=300)
 
 
 def _commands() -> list[str]:
@@ -35,20 +36,25 @@ def _commands() -> list[str]:
     return sorted(subparsers.choices)
 
 
-def test_importing_the_packages_and_asking_every_command_for_help_imports_no_framework() -> None:
-    done = _fresh_python(f"""
-        import contextlib, io, json, sys
-        import lightning_shard, lightning_shard.fabric, lightning_shard.trainer
-        from lightning_shard.cli import build_parser, main
+_IMPORTS_AND_HELP = f"""
+    import contextlib, io, json, sys
+    import lightning_shard, lightning_shard.fabric, lightning_shard.trainer
+    from lightning_shard.cli import build_parser, main
 
-        for command in {_commands()!r}:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
-                main([command, "--help"])
-        heavy = {HEAVY!r}
-        print(json.dumps(sorted(m for m in sys.modules if m in heavy or m.startswith(tuple(h + "." for h in heavy)))))
-    """)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == []
+    for command in {_commands()!r}:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            main([command, "--help"])
+    heavy = {HEAVY!r}
+    print(json.dumps(sorted(m for m in sys.modules if m in heavy or m.startswith(tuple(h + "." for h in heavy)))))
+"""
+
+
+@pytest.mark.early(check=partial(_fresh_python, _IMPORTS_AND_HELP))
+def test_importing_the_packages_and_asking_every_command_for_help_imports_no_framework(
+    early: subprocess.CompletedProcess,
+) -> None:
+    assert early.returncode == 0, early.stderr
+    assert json.loads(early.stdout) == []
 
 
 @pytest.mark.parametrize("command", ["", *_commands()])
@@ -79,12 +85,15 @@ REGISTERED = """
 
 
 @pytest.mark.parametrize(
-    "imports", ["import lightning_shard; import lightning", "import lightning; import lightning_shard"]
-)
-def test_strategy_names_reach_both_registries_whichever_is_imported_first(imports: str) -> None:
-    done = _fresh_python(imports + textwrap.dedent(REGISTERED))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-5:] == ["SHARD_GRAD_OP", "shard", "shard_grad_op", "shard_hybrid", "shard_offload"]
+    "imports",
+    [pytest.param(imports, marks=pytest.mark.early(check=partial(_fresh_python, imports + textwrap.dedent(REGISTERED))))
+     for imports in ("import lightning_shard; import lightning", "import lightning; import lightning_shard")],
+)  # fmt: skip
+def test_strategy_names_reach_both_registries_whichever_is_imported_first(
+    early: subprocess.CompletedProcess, imports: str
+) -> None:
+    assert early.returncode == 0, early.stderr
+    assert early.stdout.split()[-5:] == ["SHARD_GRAD_OP", "shard", "shard_grad_op", "shard_hybrid", "shard_offload"]
 
 
 def _type_checking_imports(package: str) -> dict[str, str]:

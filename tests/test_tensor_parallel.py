@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.jobs import free_port, job_env
+from lightning_shard.testing import run_on_ranks
+from tests.jobs import free_port, job_env, script_function, start_jobs
 
 pytestmark = pytest.mark.launch
 
@@ -29,15 +31,43 @@ def _losses(root: Path, name: str, ranks: int) -> list[dict[str, Any]]:
     return [torch.load(root / f"{name}-{rank}.pt") for rank in range(ranks)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three launches: DDP (the oracle) with a (dp=2, tp=1) checkpoint after step 3; (dp=2, tp=2) saving after step
-    3, then resuming the (2, 1) checkpoint at (2, 2); the (2, 2) checkpoint resumed at (2, 1) and at (1, 2)."""
-    root = tmp_path_factory.mktemp("tensor_parallel")
-    _launch(root, "--role", "reference", "--devices", "2")
+def _fits(root: Path) -> Path:
+    """The oracle (DDP) on the pooled ranks, with a (dp=2, tp=1) checkpoint after step 3 (it needs no fresh process);
+    then two launches: (dp=2, tp=2) saving after step 3, then resuming the (2, 1) checkpoint at (2, 2); the (2, 2)
+    checkpoint resumed at (2, 1) and at (1, 2)."""
+    for rank, named in enumerate(run_on_ranks(script_function, 2, str(SCRIPT), "run", root, "reference")):
+        for name, result in named.items():
+            torch.save(result, root / f"{name}-{rank}.pt")
     _launch(root, "--role", "tp", "--devices", "4")
     _launch(root, "--role", "resume", "--devices", "2")
     return root
+
+
+def _torchrun(root: Path) -> Path:
+    script = Path(__file__).parent / "scripts" / "tensor_parallel_torchrun.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(script)],
+        capture_output=True, text=True, env=job_env(), timeout=300, cwd=root,
+    )  # fmt: skip
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
+    return root
+
+
+@pytest.fixture(scope="module")
+def jobs(
+    request: pytest.FixtureRequest, background: ThreadPoolExecutor, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future[Path]]:
+    """Both jobs, started with the first test, each in a folder of its own: the fits the other tests read ("fits";
+    this module's tests call no pooled rank themselves, so the job may) and the torchrun test's ("torchrun")."""
+    jobs = {"fits": _fits, "torchrun": _torchrun}
+    return start_jobs(request, background, lambda item: "torchrun" if "torchrun" in item.originalname else "fits",
+                      lambda name: jobs[name](tmp_path_factory.mktemp(name)))  # fmt: skip
+
+
+@pytest.fixture
+def runs(jobs: dict[str, Future[Path]]) -> Path:
+    return jobs["fits"].result()
 
 
 def test_two_by_two_trains_as_ddp_on_two_ranks_and_as_model_parallel_strategy(runs: Path) -> None:
@@ -93,13 +123,7 @@ def test_inspect_verifies_a_tensor_parallel_checkpoint_and_consolidate_writes_th
     assert whole.keys() == from_tp1.keys() and all(whole[k].shape == from_tp1[k].shape for k in whole)
 
 
-def test_shard_model_with_a_plan_under_torchrun_trains_as_the_whole_model(tmp_path: Path) -> None:
+def test_shard_model_with_a_plan_under_torchrun_trains_as_the_whole_model(jobs: dict[str, Future[Path]]) -> None:
     """The plain-PyTorch mode (``shard_model(..., tensor_parallel_size=2)``) in fresh processes under torchrun: the
     script itself checks losses, clipping norms and the whole weights against the unsharded model."""
-    script = Path(__file__).parent / "scripts" / "tensor_parallel_torchrun.py"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(script)],
-        capture_output=True, text=True, env=job_env(), timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
+    jobs["torchrun"].result()

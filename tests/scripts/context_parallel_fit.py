@@ -4,6 +4,9 @@
     python tests/scripts/context_parallel_fit.py --role reference --devices 2 --root /tmp/cp   # DDP on 2, the oracle
     python tests/scripts/context_parallel_fit.py --role cp --devices 4 --root /tmp/cp          # (dp=2, cp=2)
 
+(``tests/test_context_parallel_launch.py`` calls ``fit("reference", 2, ...)`` on its pooled ranks instead: the oracle
+needs no fresh process.)
+
 Both train the test suite's causal language model (SDPA attention, position ids from the batch) and Hugging Face
 Llama for 10 steps in fp32, on the same global batches. Every rank writes ``<root>/<role>-<rank>.pt``: the losses
 ``training_step`` returned on that rank and the trained weights.

@@ -5,6 +5,9 @@
     python tests/scripts/tensor_parallel_fit.py --role tp --devices 4 --root /tmp/tp          # (dp=2, tp=2)
     python tests/scripts/tensor_parallel_fit.py --role resume --devices 2 --root /tmp/tp      # at (2, 1) and (1, 2)
 
+(``tests/test_tensor_parallel.py`` calls ``run(root, "reference")`` on its pooled ranks instead: the oracle needs no
+fresh process.)
+
 ``reference`` (DDP): our GPT for 8 steps in fp32 and 4 in bf16-mixed (Trainer), 4 steps in Fabric, Hugging Face Llama
 for 3 steps; the Trainer and Fabric with ShardStrategy and the model built on the meta device (``trainer_meta``,
 ``fabric_meta``); and ShardStrategy at (dp=2, tp=1) for 3 steps in fp32, saved to ``<root>/tp1-ckpt``. ``tp``
